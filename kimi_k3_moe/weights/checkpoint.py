@@ -1,0 +1,165 @@
+"""Read a layer's routed experts from a compressed-tensors MXFP4 checkpoint.
+
+Tensor names follow Kimi-K3's export, for layer L and expert e:
+`{prefix}.{L}.block_sparse_moe.experts.{e}.{w1|w2|w3}.{weight_packed|weight_scale}`
+with prefix `language_model.model.layers` (the multimodal export) or
+`model.layers` (a text-only one). w1 is the gate, w3 the up half, w2 down.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kimi_k3_moe.formats import mxfp4
+from kimi_k3_moe.kernels.base import ExpertWeights
+
+LAYER_PREFIXES = ("language_model.model.layers", "model.layers")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, truncated, or of the wrong shape or dtype."""
+
+
+def expert_tensor_name(layer: int, expert: int, proj: str, kind: str,
+                       prefix: str = LAYER_PREFIXES[0]) -> str:
+    return f"{prefix}.{layer}.block_sparse_moe.experts.{expert}.{proj}.{kind}"
+
+
+def moe_tensor_name(layer: int, suffix: str, prefix: str = LAYER_PREFIXES[0]) -> str:
+    return f"{prefix}.{layer}.block_sparse_moe.{suffix}"
+
+
+class CheckpointReader:
+    """Finds tensors across safetensors shards, with or without an index file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint folder {self.path} does not exist")
+        self._where = self._index()
+        self._handles: dict[Path, object] = {}
+        self.prefix = self._detect_prefix()
+
+    def _index(self) -> dict[str, Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.path / shard for name, shard in weight_map.items()}
+        shards = sorted(self.path.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"no *.safetensors files in {self.path}")
+        where = {}
+        for shard in shards:
+            with safe_open(shard, framework="pt") as f:
+                where.update({name: shard for name in f.keys()})
+        return where
+
+    def _detect_prefix(self) -> str:
+        for prefix in LAYER_PREFIXES:
+            if any(name.startswith(prefix + ".") for name in self._where):
+                return prefix
+        return LAYER_PREFIXES[0]
+
+    def names(self) -> Iterable[str]:
+        return self._where.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        shard = self._where.get(name)
+        if shard is None:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.path}")
+        if not shard.is_file():
+            raise CheckpointError(f"tensor {name!r}: shard {shard.name} is missing")
+        try:
+            handle = self._handles.get(shard)
+            if handle is None:
+                handle = self._handles[shard] = safe_open(shard, framework="pt")
+            return handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own types for truncation
+            raise CheckpointError(f"tensor {name!r} in {shard.name} cannot be read: {exc}") from exc
+
+
+def _as_2d_scale(t: torch.Tensor, name: str) -> torch.Tensor:
+    # Some exports store [N, 1, K/32, 1]; the meaningful plane is [:, 0, :, 0].
+    if t.dim() == 4:
+        return t[:, 0, :, 0]
+    if t.dim() != 2:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}; expected 2-D or 4-D scales")
+    return t
+
+
+def _read_checked(reader: CheckpointReader, name: str, shape: tuple[int, int], scale: bool) -> torch.Tensor:
+    t = reader.get(name)
+    if scale:
+        t = _as_2d_scale(t, name)
+    if t.dtype != torch.uint8:
+        raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}; expected torch.uint8")
+    if tuple(t.shape) != shape:
+        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}; expected {shape}")
+    return t
+
+
+def read_layer_experts(
+    checkpoint: str | Path | CheckpointReader,
+    layer: int,
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    experts: Sequence[int] | None = None,
+    device: torch.device | str = "cpu",
+) -> ExpertWeights:
+    """One layer's experts as `ExpertWeights`, sliced for this rank.
+
+    Tensor parallelism splits the intermediate dim I (w1/w3 rows, w2
+    columns) into `tp_size` equal parts; expert parallelism keeps only
+    `experts` (global ids, in the order given).
+    """
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    if not 0 <= tp_rank < tp_size or intermediate_size % tp_size:
+        raise CheckpointError(f"tp_rank {tp_rank} / tp_size {tp_size} cannot split intermediate "
+                              f"size {intermediate_size}")
+    part = intermediate_size // tp_size
+    if part % mxfp4.BLOCK_SIZE:
+        raise CheckpointError(f"intermediate size per rank {part} is not a multiple of the "
+                              f"MXFP4 block {mxfp4.BLOCK_SIZE}")
+    ids = list(range(num_experts)) if experts is None else list(experts)
+    bad = [e for e in ids if not 0 <= e < num_experts]
+    if bad:
+        raise CheckpointError(f"expert ids {bad} are outside [0, {num_experts})")
+    h, i, blk = hidden_size, intermediate_size, mxfp4.BLOCK_SIZE
+    rows = slice(tp_rank * part, (tp_rank + 1) * part)
+    w13_p, w13_s, w2_p, w2_s = [], [], [], []
+    for e in ids:
+        def name(proj: str, kind: str) -> str:
+            return expert_tensor_name(layer, e, proj, kind, reader.prefix)
+
+        halves_p, halves_s = [], []
+        for proj in ("w1", "w3"):
+            halves_p.append(_read_checked(reader, name(proj, "weight_packed"), (i, h // 2), False)[rows])
+            halves_s.append(_read_checked(reader, name(proj, "weight_scale"), (i, h // blk), True)[rows])
+        w13_p.append(torch.cat(halves_p))
+        w13_s.append(torch.cat(halves_s))
+        down_p = _read_checked(reader, name("w2", "weight_packed"), (h, i // 2), False)
+        down_s = _read_checked(reader, name("w2", "weight_scale"), (h, i // blk), True)
+        w2_p.append(down_p[:, tp_rank * part // 2:(tp_rank + 1) * part // 2])
+        w2_s.append(down_s[:, tp_rank * part // blk:(tp_rank + 1) * part // blk])
+    stacked = (torch.stack(w13_p), torch.stack(w13_s), torch.stack(w2_p), torch.stack(w2_s))
+    return ExpertWeights(*(t.contiguous().to(device) for t in stacked))
+
+
+def read_router(checkpoint: str | Path | CheckpointReader, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate weight [E, hidden], e_score_correction_bias [E]) of one MoE layer."""
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    weight = reader.get(moe_tensor_name(layer, "gate.weight", reader.prefix))
+    bias = reader.get(moe_tensor_name(layer, "gate.e_score_correction_bias", reader.prefix))
+    return weight, bias
