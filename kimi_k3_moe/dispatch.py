@@ -1,0 +1,125 @@
+"""Platform -> ordered backend plan: what serves here, what stands behind it, and why.
+
+  gfx950 (MI355X)        flydsl on MXFP4 -> triton on MXFP4 -> torch
+  gfx942 (MI300X/MI325X) flydsl on int4  -> triton on int4  -> torch
+  other ROCm GPUs        triton on MXFP4 -> torch
+  CUDA sm_80 and newer   triton on MXFP4 -> torch
+  anything else          torch
+
+`KIMI_K3_MOE_BACKEND=torch|triton|flydsl` replaces the plan with that one
+backend, and fails loudly where it cannot run.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kimi_k3_moe.kernels import BACKEND_MODULES, BackendUnavailable, MoEBackend, get_backend
+
+ENV_BACKEND = "KIMI_K3_MOE_BACKEND"
+FLYDSL_ARCHS = ("gfx942", "gfx950")
+INT4_ARCHS = ("gfx942",)  # no FP4 matrix instructions there: requantise to int4
+
+
+@dataclass(frozen=True)
+class Platform:
+    vendor: str              # "cpu", "cuda" or "rocm"
+    arch: str | None = None  # "sm_90", "gfx942", ...
+    device_name: str = ""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.vendor != "cpu"
+
+    def __str__(self) -> str:
+        return self.vendor if not self.is_gpu else f"{self.vendor} {self.arch} ({self.device_name})"
+
+
+def gfx_arch(gcn_arch_name: str) -> str:
+    """'gfx942:sramecc+:xnack-' -> 'gfx942'."""
+    return gcn_arch_name.split(":", 1)[0]
+
+
+def detect_platform(device: int = 0) -> Platform:
+    if not torch.cuda.is_available():
+        return Platform("cpu")
+    props = torch.cuda.get_device_properties(device)
+    if getattr(torch.version, "hip", None):
+        return Platform("rocm", gfx_arch(props.gcnArchName), props.name)
+    return Platform("cuda", f"sm_{props.major}{props.minor}", props.name)
+
+
+def sm_version(arch: str | None) -> int:
+    match = re.fullmatch(r"sm_(\d+)a?", arch or "")
+    return int(match.group(1)) if match else 0
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    def make(self) -> MoEBackend:
+        return get_backend(self.name, **dict(self.options))
+
+    def __str__(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return f"{self.name}[{opts}]" if opts else self.name
+
+
+def _choices_for(platform: Platform) -> list[BackendChoice]:
+    torch_choice = BackendChoice("torch", {"weight_format": "mxfp4"}, "pure PyTorch, runs anywhere")
+    if platform.vendor == "rocm" and platform.arch in FLYDSL_ARCHS:
+        fmt = "int4" if platform.arch in INT4_ARCHS else "mxfp4"
+        why = ("no FP4 MFMA on gfx942: experts requantised to int4" if fmt == "int4"
+               else "gfx950 runs MXFP4 weights directly")
+        return [BackendChoice("flydsl", {"arch": platform.arch, "weight_format": fmt}, why),
+                BackendChoice("triton", {"weight_format": fmt}, "fallback behind FlyDSL"),
+                torch_choice]
+    if platform.vendor == "rocm" or (platform.vendor == "cuda" and sm_version(platform.arch) >= 80):
+        return [BackendChoice("triton", {"weight_format": "mxfp4"},
+                              f"Triton kernels for {platform.arch}"), torch_choice]
+    return [torch_choice]
+
+
+def plan_backends(platform: Platform | None = None, env: Mapping[str, str] | None = None) -> list[BackendChoice]:
+    """Backends to try in order on `platform` (detected when None)."""
+    platform = platform or detect_platform()
+    env = os.environ if env is None else env
+    plan = _choices_for(platform)
+    forced = env.get(ENV_BACKEND, "").strip()
+    if not forced:
+        return plan
+    if forced not in BACKEND_MODULES:
+        raise ValueError(f"{ENV_BACKEND}={forced!r} is not a backend; choose one of {sorted(BACKEND_MODULES)}")
+    for choice in plan:
+        if choice.name == forced:
+            return [BackendChoice(choice.name, choice.options, f"forced by {ENV_BACKEND}")]
+    options: dict[str, Any] = {}
+    if forced == "flydsl":
+        if platform.arch not in FLYDSL_ARCHS:
+            raise BackendUnavailable(f"{ENV_BACKEND}=flydsl, but FlyDSL kernels exist for "
+                                     f"{FLYDSL_ARCHS} only and this machine is {platform}")
+        options["arch"] = platform.arch
+    return [BackendChoice(forced, options, f"forced by {ENV_BACKEND}")]
+
+
+def resolve(plan: list[BackendChoice]) -> tuple[MoEBackend, BackendChoice, list[str]]:
+    """The first backend of `plan` that can run here, and why each earlier one could not."""
+    skipped = []
+    for choice in plan:
+        try:
+            backend = choice.make()
+            ok, why = backend.available()
+        except (BackendUnavailable, ValueError) as exc:
+            ok, why = False, str(exc)
+        if ok:
+            return backend, choice, skipped
+        skipped.append(f"{choice} ({choice.reason}): {why}")
+    raise BackendUnavailable("no backend can run here: " + "; ".join(skipped))

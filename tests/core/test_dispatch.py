@@ -1,0 +1,112 @@
+import pytest
+import torch
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.dispatch import ENV_BACKEND, Platform, plan_backends, resolve
+from kimi_k3_moe.formats import mxfp4
+from kimi_k3_moe.kernels import BackendUnavailable, ExpertWeights
+from kimi_k3_moe.kernels.torch.backend import TorchBackend
+from kimi_k3_moe.reference import moe_forward, relative_l2
+from kimi_k3_moe.routed_experts import RoutedExperts
+from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check, self_check_mode
+from kimi_k3_moe import dispatch, routed_experts
+
+SITU = ActivationSpec.situv2(4.0, 25.0)
+
+
+def plan(vendor, arch=None, **env):
+    return [(c.name, dict(c.options)) for c in plan_backends(Platform(vendor, arch, "test"), env)]
+
+
+def test_plans_per_platform():
+    assert plan("rocm", "gfx950") == [("flydsl", {"arch": "gfx950", "weight_format": "mxfp4"}),
+                                      ("triton", {"weight_format": "mxfp4"}),
+                                      ("torch", {"weight_format": "mxfp4"})]
+    assert plan("rocm", "gfx942")[:2] == [("flydsl", {"arch": "gfx942", "weight_format": "int4"}),
+                                          ("triton", {"weight_format": "int4"})]
+    assert [n for n, _ in plan("rocm", "gfx90a")] == ["triton", "torch"]
+    assert [n for n, _ in plan("cuda", "sm_90")] == ["triton", "torch"]
+    assert [n for n, _ in plan("cuda", "sm_75")] == ["torch"]
+    assert [n for n, _ in plan("cpu")] == ["torch"]
+
+
+def test_env_forces_one_backend():
+    assert plan("rocm", "gfx942", **{ENV_BACKEND: "triton"}) == [("triton", {"weight_format": "int4"})]
+    assert plan("cpu", **{ENV_BACKEND: "torch"}) == [("torch", {"weight_format": "mxfp4"})]
+    assert plan("cpu", **{ENV_BACKEND: "triton"}) == [("triton", {})]
+    with pytest.raises(BackendUnavailable, match="flydsl.*gfx942.*cpu"):
+        plan("cpu", **{ENV_BACKEND: "flydsl"})
+    with pytest.raises(ValueError, match="'cuda-magic'"):
+        plan("cpu", **{ENV_BACKEND: "cuda-magic"})
+
+
+def test_resolve_skips_what_cannot_run():
+    class Missing(dispatch.BackendChoice):
+        def make(self):
+            raise BackendUnavailable("not built here")
+
+    chain = [Missing("flydsl", {}, "first choice"), dispatch.BackendChoice("torch", {}, "last")]
+    backend, choice, skipped = resolve(chain)
+    assert backend.name == "torch" and "not built here" in skipped[0]
+    with pytest.raises(BackendUnavailable, match="first choice.*not built here"):
+        resolve(chain[:1])
+
+
+def random_experts(gen, e=5, h=64, i=32):
+    w13 = torch.randn(e, 2 * i, h, generator=gen) * 3 / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
+    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+
+
+class SiluOnlyBackend(TorchBackend):
+    """A deliberately broken kernel: computes SiLU whatever it is asked for."""
+    name = "silu-only"
+
+    def forward(self, prepared, hidden, topk_weights, topk_ids, activation, expert_map=None):
+        return super().forward(prepared, hidden, topk_weights, topk_ids, ActivationSpec.silu(), expert_map)
+
+
+class Choice(dispatch.BackendChoice):
+    def make(self):
+        return SiluOnlyBackend() if self.name == "silu-only" else super().make()
+
+
+def test_self_check_catches_a_kernel_ignoring_the_activation(gen):
+    experts = random_experts(gen)
+    assert run_self_check(TorchBackend(), experts, SITU) < 1e-2
+    with pytest.raises(SelfCheckFailed, match="silu-only.*relative L2"):
+        run_self_check(SiluOnlyBackend(), experts, SITU)
+
+
+def test_routed_experts_falls_back_loudly_or_raises_when_strict(gen, caplog):
+    routed_experts._CHECKED.clear()
+    experts = random_experts(gen)
+    chain = [Choice("silu-only", {}, "broken"), Choice("torch", {}, "reference")]
+    runner = RoutedExperts(SITU, platform=Platform("cpu"), plan=chain, self_check="fallback")
+    with caplog.at_level("ERROR", logger="kimi_k3_moe"):
+        runner.load(experts)
+    assert runner.backend.name == "torch"
+    assert "REFUSING backend silu-only" in caplog.text
+    strict = RoutedExperts(SITU, platform=Platform("cpu"), plan=chain, self_check="strict")
+    with pytest.raises(SelfCheckFailed):
+        strict.load(experts)
+    off = RoutedExperts(SITU, platform=Platform("cpu"), plan=chain, self_check="off")
+    assert off.load(experts).name == "silu-only"
+
+
+def test_routed_experts_runs_the_moe(gen):
+    experts = random_experts(gen)
+    runner = RoutedExperts(SITU, platform=Platform("cpu"))
+    runner.load(experts)
+    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(7)]).to(torch.int32)
+    weights = torch.rand(7, 2, generator=gen)
+    hidden = torch.randn(7, 64, generator=gen)
+    expected = moe_forward(hidden.double(), *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
+    assert relative_l2(runner(hidden, weights, ids), expected) < 1e-5
+
+
+def test_self_check_mode_from_env():
+    assert self_check_mode({}) == "fallback"
+    assert self_check_mode({"KIMI_K3_MOE_SELF_CHECK": "strict"}) == "strict"
+    with pytest.raises(ValueError, match="KIMI_K3_MOE_SELF_CHECK='maybe'"):
+        self_check_mode({"KIMI_K3_MOE_SELF_CHECK": "maybe"})
