@@ -1,0 +1,5 @@
+import sys
+
+from kimi_k3_moe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""`kimi-k3-moe doctor`: what this machine has and what would serve the model here."""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import platform as py_platform
+import sys
+
+import torch
+
+from kimi_k3_moe import __version__
+from kimi_k3_moe.configs import ConfigError, K3MoEConfig
+from kimi_k3_moe.dispatch import detect_platform, gfx_arch, plan_backends, resolve
+from kimi_k3_moe.kernels.base import BackendUnavailable
+
+HELP = "report versions, GPUs, the backend that would serve here, and (with --model) the MoE it would serve"
+OPTIONAL_PACKAGES = ("vllm", "sglang", "triton", "flydsl", "safetensors", "transformers")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a model folder (or config.json) to check")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to size the model for")
+
+
+def _version(package: str) -> str:
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def _gpus() -> list[str]:
+    if not torch.cuda.is_available():
+        return []
+    rows = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        arch = gfx_arch(p.gcnArchName) if torch.version.hip else f"sm_{p.major}{p.minor}"
+        rows.append(f"[{i}] {p.name}: {arch}, {p.total_memory / 2**30:.0f} GiB")
+    return rows
+
+
+def _memory_bytes() -> tuple[int, str]:
+    if torch.cuda.is_available():
+        total = sum(torch.cuda.get_device_properties(i).total_memory
+                    for i in range(torch.cuda.device_count()))
+        return total, f"{torch.cuda.device_count()} GPU(s)"
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "system RAM"
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"kimi-k3-moe {__version__}")
+    print(f"python {sys.version.split()[0]} ({py_platform.machine()}), torch {torch.__version__}")
+    for package in OPTIONAL_PACKAGES:
+        print(f"  {package:<13} {_version(package)}")
+    gpus = _gpus()
+    print("GPUs: " + ("none" if not gpus else ""))
+    for row in gpus:
+        print("  " + row)
+    platform = detect_platform()
+    print(f"platform: {platform}")
+    problems = []
+    try:
+        plan = plan_backends(platform)
+        print("backend plan (first that runs and passes its self-check serves):")
+        for choice in plan:
+            print(f"  {choice}: {choice.reason}")
+        backend, choice, skipped = resolve(plan)
+        for line in skipped:
+            print(f"  skipped {line}")
+        print(f"would serve with: {backend.describe()} ({choice.reason})")
+    except (BackendUnavailable, ValueError) as exc:
+        problems.append(str(exc))
+    if args.model:
+        problems += _check_model(args.model, args.tp)
+    if problems:
+        for p in problems:
+            print(f"CANNOT SERVE: {p}")
+        return 1
+    print("OK")
+    return 0
+
+
+def _check_model(model: str, tp: int) -> list[str]:
+    try:
+        cfg = K3MoEConfig.from_hf_config(model)
+        per_rank = cfg.intermediate_per_rank(tp)
+    except (ConfigError, ValueError) as exc:
+        return [f"model config {model}: {exc}"]
+    print(f"model: {model} ({cfg.model_type or 'unknown type'})")
+    print(f"  activation: {cfg.activation}")
+    print(f"  MoE layers: {len(cfg.moe_layers())} of {cfg.num_hidden_layers}; experts {cfg.num_experts}, "
+          f"top-{cfg.num_experts_per_token}, shared {cfg.num_shared_experts}")
+    print(f"  routed experts: hidden {cfg.routed_expert_hidden_size} (model {cfg.hidden_size}), "
+          f"intermediate {cfg.moe_intermediate_size} -> {per_rank} per rank at TP {tp}")
+    q = cfg.quantization
+    print(f"  quantization: {q.quant_method} / {q.format}, {q.num_bits}-bit, group {q.group_size}"
+          if q else "  quantization: none (bf16 experts are not served by this package)")
+    problems = [] if q else ["experts are not MXFP4-quantized; this package serves MXFP4 checkpoints"]
+    need = cfg.routed_expert_bytes(tp) * tp
+    have, where = _memory_bytes()
+    print(f"  routed experts need {need / 2**30:.2f} GiB in MXFP4 across TP {tp}; {where} hold "
+          f"{have / 2**30:.1f} GiB")
+    if need > have:
+        problems.append(f"the routed experts alone need {need / 2**30:.1f} GiB; {where} here hold "
+                        f"{have / 2**30:.1f} GiB")
+    return problems

@@ -1,0 +1,1 @@
+"""Engine entry points (vLLM `vllm.general_plugins`, SGLang `sglang.srt.plugins`)."""

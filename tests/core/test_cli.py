@@ -1,0 +1,63 @@
+"""The console commands, run as a user would: in a subprocess."""
+import json
+import subprocess
+import sys
+
+from kimi_k3_moe.weights.synthetic import make_checkpoint, synthetic_config
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kimi_k3_moe", *args], capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
+def test_demo_prints_the_table_and_passes(tmp_path, seed):
+    result = cli("demo", "--out", str(tmp_path), "--tokens", "1", "9", "--seed", str(seed))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "situv2(beta=4, linear_beta=25.0)" in out
+    assert "rel. L2 vs float64" in out and "SiLU vs SiTUv2" in out
+    assert "backend: torch" in out and "PASS" in out
+    assert (tmp_path / "config.json").exists()
+
+
+def test_doctor_reports_platform_and_backend():
+    result = cli("doctor")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "torch" in result.stdout and "platform: cpu" in result.stdout
+    assert "would serve with: torch[mxfp4]" in result.stdout
+
+
+def test_doctor_with_a_servable_model(tmp_path, seed):
+    make_checkpoint(tmp_path, seed=seed)
+    result = cli("doctor", "--model", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "activation: situv2(beta=4, linear_beta=25.0)" in result.stdout
+
+
+def test_doctor_refuses_unservable_models(tmp_path):
+    cfg = synthetic_config(num_layers=2, hidden_size=256, routed_expert_hidden_size=128,
+                           moe_intermediate_size=64, num_experts=8, num_experts_per_token=2,
+                           num_shared_experts=1, first_k_dense_replace=1, hidden_act="gelu",
+                           activation_situ_beta=None, activation_situ_linear_beta=None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    result = cli("doctor", "--model", str(tmp_path))
+    assert result.returncode == 1 and "CANNOT SERVE" in result.stdout and "'gelu'" in result.stdout
+
+    k3 = synthetic_config(num_layers=93, hidden_size=7168, routed_expert_hidden_size=3584,
+                          moe_intermediate_size=3072, num_experts=896, num_experts_per_token=16,
+                          num_shared_experts=2, first_k_dense_replace=1, hidden_act="situ",
+                          activation_situ_beta=4.0, activation_situ_linear_beta=25.0)
+    (tmp_path / "config.json").write_text(json.dumps(k3))
+    result = cli("doctor", "--model", str(tmp_path), "--tp", "8")
+    assert result.returncode == 1
+    assert "384 per rank at TP 8" in result.stdout
+    assert "routed experts alone need" in result.stdout  # 1.4 TB does not fit a CPU box
+
+
+def test_importing_the_package_pulls_in_no_engine_or_compiler():
+    code = ("import sys, kimi_k3_moe, kimi_k3_moe.kernels, kimi_k3_moe.dispatch, kimi_k3_moe.cli, "
+            "kimi_k3_moe.routed_experts, kimi_k3_moe.plugin_entrypoints;"
+            "print(sorted(m for m in ('vllm', 'sglang', 'triton', 'flydsl') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "[]", result.stderr
