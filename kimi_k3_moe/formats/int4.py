@@ -4,7 +4,8 @@ gfx942 has no FP4 matrix path, so its kernels read MXFP4 experts converted
 to this format at load time. Layout (docs/FORMATS.md has the full text):
 `packed` uint8 [..., N, K/2], element 2j in the low nibble of byte j, each
 nibble a two's-complement int4 in [-8, 7]; `scales` bf16 [..., N, K/32];
-value = code * scale.
+optional `offsets` bf16 [..., N, K/32]; value = code * scale (+ offset).
+Kernels decode both variants the same way and add the offset when present.
 """
 from __future__ import annotations
 
@@ -22,20 +23,25 @@ _DEFAULT_CHUNK_BYTES = 256 << 20
 
 @dataclass
 class Int4Weights:
-    """Packed two's-complement int4 codes and one bf16 scale per group of 32."""
+    """Packed two's-complement int4 codes, a bf16 scale (and optional offset) per 32."""
 
     packed: torch.Tensor  # uint8 [..., N, K/2]
     scales: torch.Tensor  # bfloat16 [..., N, K/32]
     method: str = "amax"
+    offsets: torch.Tensor | None = None  # bfloat16 [..., N, K/32], asymmetric variants only
 
     def __post_init__(self) -> None:
         if self.packed.dtype != torch.uint8:
             raise TypeError(f"Int4Weights.packed must be uint8, got {self.packed.dtype}")
-        if self.scales.dtype != torch.bfloat16:
-            raise TypeError(f"Int4Weights.scales must be bfloat16, got {self.scales.dtype}")
         expected = (*self.packed.shape[:-1], self.packed.shape[-1] * 2 // GROUP_SIZE)
-        if tuple(self.scales.shape) != expected:
-            raise ValueError(f"Int4Weights.scales shape {tuple(self.scales.shape)} != {expected}")
+        for field in ("scales", "offsets"):
+            t = getattr(self, field)
+            if t is None and field == "offsets":
+                continue
+            if t.dtype != torch.bfloat16:
+                raise TypeError(f"Int4Weights.{field} must be bfloat16, got {t.dtype}")
+            if tuple(t.shape) != expected:
+                raise ValueError(f"Int4Weights.{field} shape {tuple(t.shape)} != {expected}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -44,19 +50,26 @@ class Int4Weights:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + self.scales.numel() * 2
+        extra = 0 if self.offsets is None else self.offsets.numel() * 2
+        return self.packed.numel() + self.scales.numel() * 2 + extra
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         codes = unpack_signed(self.packed).to(torch.float32)
         groups = codes.unflatten(-1, (-1, GROUP_SIZE)) * self.scales.float().unsqueeze(-1)
+        if self.offsets is not None:
+            groups = groups + self.offsets.float().unsqueeze(-1)
         return groups.flatten(-2).to(dtype)
+
+    def _map(self, fn) -> "Int4Weights":
+        offsets = None if self.offsets is None else fn(self.offsets)
+        return Int4Weights(fn(self.packed), fn(self.scales), self.method, offsets)
 
     def __getitem__(self, index) -> "Int4Weights":
         """Slice the leading (expert) dims."""
-        return Int4Weights(self.packed[index], self.scales[index], self.method)
+        return self._map(lambda t: t[index])
 
     def to(self, device: torch.device | str) -> "Int4Weights":
-        return Int4Weights(self.packed.to(device), self.scales.to(device), self.method)
+        return self._map(lambda t: t.to(device))
 
 
 def unpack_signed(packed: torch.Tensor) -> torch.Tensor:

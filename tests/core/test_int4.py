@@ -67,3 +67,17 @@ def test_zero_groups_and_errors():
         int4.Int4Weights(packed, scales)
     with pytest.raises(ValueError, match="NaN"):
         int4.requantize(packed, torch.full((2, 1), 255, dtype=torch.uint8))
+
+
+def test_offsets_add_per_group(gen):
+    packed = torch.randint(0, 256, (3, 32), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(3, 2, generator=gen).to(torch.bfloat16)
+    offsets = torch.randn(3, 2, generator=gen).to(torch.bfloat16)
+    plain = int4.Int4Weights(packed, scales)
+    shifted = int4.Int4Weights(packed, scales, "asym", offsets)
+    diff = (shifted.dequantize() - plain.dequantize()).unflatten(-1, (-1, 32))
+    assert torch.allclose(diff, offsets.float().unsqueeze(-1).expand_as(diff))
+    assert shifted.nbytes == plain.nbytes + offsets.numel() * 2
+    assert shifted[1:].offsets.shape == (2, 2)
+    with pytest.raises(ValueError, match="offsets shape"):
+        int4.Int4Weights(packed, scales, "asym", offsets[:, :1])
