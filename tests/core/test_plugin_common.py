@@ -1,0 +1,48 @@
+"""Engine-independent parts of the plugins (the engines' own suites test the adapters)."""
+import logging
+
+import pytest
+
+from kimi_k3_moe.activation import ActivationSpec, UnsupportedActivationError
+from kimi_k3_moe.plugin_entrypoints import common
+
+K3 = {"text_config": {"hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0}}
+
+
+def test_plugin_filter():
+    assert common.plugin_enabled("VLLM_PLUGINS", {})
+    assert common.plugin_enabled("VLLM_PLUGINS", {"VLLM_PLUGINS": ""})
+    assert common.plugin_enabled("VLLM_PLUGINS", {"VLLM_PLUGINS": "other, kimi_k3_moe"})
+    assert not common.plugin_enabled("VLLM_PLUGINS", {"VLLM_PLUGINS": "other"})
+
+
+class FakeEnum:  # stands in for an engine's activation enum member (only .value is read)
+    value = "situ"
+
+
+def test_engine_activation_names_and_unset_linear_beta():
+    assert common.engine_activation(FakeEnum(), 4.0, 25.0) == ActivationSpec.situv2(4.0, 25.0)
+    assert common.engine_activation("MoEActivation.SITU", 4.0, 0.0) == ActivationSpec.situv2(4.0, None)
+    assert common.engine_activation("silu", None, None) == ActivationSpec.silu()
+    with pytest.raises(UnsupportedActivationError, match="gelu"):
+        common.engine_activation("gelu", None, None)
+    with pytest.raises(ValueError, match="beta"):
+        common.engine_activation("situ", None, 25.0)
+
+
+def test_mismatch_with_hf_config_is_refused():
+    good = ActivationSpec.situv2(4.0, 25.0)
+    assert common.verify_against_hf(good, K3, "layer 3") == good
+    with pytest.raises(ValueError, match="layer 3.*beta=1.*config.json says situv2\\(beta=4"):
+        common.verify_against_hf(ActivationSpec.situv2(1.0, 25.0), K3, "layer 3")
+    with pytest.raises(ValueError, match="silu"):
+        common.verify_against_hf(ActivationSpec.silu(), K3, "layer 3")
+
+
+def test_serving_line_logged_once(caplog):
+    common._logged.clear()
+    with caplog.at_level(logging.INFO, logger="kimi_k3_moe"):
+        for _ in range(3):
+            common.log_serving_once("vllm", "triton[mxfp4]", ActivationSpec.situv2(4.0, 25.0))
+    lines = [r.getMessage() for r in caplog.records if "serving Kimi-K3" in r.getMessage()]
+    assert len(lines) == 1 and "triton[mxfp4]" in lines[0] and "situv2(beta=4" in lines[0]
