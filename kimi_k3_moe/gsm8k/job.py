@@ -41,6 +41,9 @@ def run_questions(server: Server, policy: RetryPolicy, problems: Sequence[Proble
     for problem in problems:
         if problem.index not in report.records:
             tasks.put(problem)
+    if tasks.empty():  # a finished report, resumed to judge it with another gate
+        checkpoint()
+        return None
     results: queue.Queue = queue.Queue()
     stop = threading.Event()
 

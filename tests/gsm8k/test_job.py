@@ -71,6 +71,7 @@ def test_gate_verdicts_and_exit_codes(world, gsm8k):
     code, _, _ = gsm8k(world.args("--resume", "--baseline", "0.8"))  # default rtol 0.08
     assert code == 0 and world.read_report()["gate"]["rtol"] == 0.08
     assert sum(world.server.requests.values()) == asked
+    assert len(world.read_report()["sessions"]) == 1  # judging again is not a session
 
 
 def test_usage_errors_exit_2(world, gsm8k, monkeypatch, tmp_path):
