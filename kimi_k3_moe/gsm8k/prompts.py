@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-STOP = ("Question", "</s>", "<|im_end|>")
+# the stop strings of vLLM's and SGLang's GSM8K jobs
+STOP = ("Question", "Assistant:", "<|separator|>")
 
 
 def few_shot_prefix(examples: Sequence[tuple[str, str]]) -> str:

@@ -58,7 +58,7 @@ def test_prompt_is_question_answer_blocks_then_the_question():
     assert build_prompt(few_shot_prefix([]), "Q?") == "Question: Q?\nAnswer:"
     assert "Question" in STOP
     assert cut_at_stop(" #### 4\n\nQuestion: more") == " #### 4\n\n"
-    assert cut_at_stop(" #### 4</s>junk") == " #### 4"
+    assert cut_at_stop(" #### 4 Assistant: junk") == " #### 4 "
 
 
 def test_data_folder_loads_and_bad_records_are_named(tmp_path, seed):
