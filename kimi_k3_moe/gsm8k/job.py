@@ -60,6 +60,9 @@ def run_questions(server: Server, policy: RetryPolicy, problems: Sequence[Proble
             except RequestFailed as exc:
                 stop.set()  # finish what is in flight, start nothing new
                 outcome = exc
+            except Exception as exc:  # a bug must not silently lose the question with its thread
+                stop.set()
+                outcome = RequestFailed(f"unexpected {type(exc).__name__}: {exc}", retryable=False)
             results.put((problem, outcome))
 
     session = {"started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

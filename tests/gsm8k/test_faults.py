@@ -136,3 +136,21 @@ def test_ctrl_c_writes_the_report_and_resume_finishes(world):
     assert result.returncode == 0, result.stdout + result.stderr
     _assert_exact(json.load(open(world.report)))
     assert all(world.server.requests[t["question"]] == 1 for t in world.test[:6])
+
+
+def test_an_unexpected_client_error_is_reported_not_lost(world, gsm8k, monkeypatch):
+    """A bug in our own client, planted by patching it: no server reply can raise KeyError."""
+    from kimi_k3_moe.gsm8k.client import Server
+    real = Server.complete_once
+    calls = []
+
+    def flaky(self, prompt):
+        calls.append(prompt)
+        if len(calls) == 3:
+            raise KeyError("boom")
+        return real(self, prompt)
+    monkeypatch.setattr(Server, "complete_once", flaky)
+    code, _, err = gsm8k(world.args("--concurrency", "1"))
+    assert code == 2 and "unexpected KeyError" in err
+    report = world.read_report()
+    assert len(report["records"]) == 2 and [e["id"] for e in report["errors"]] == [2]
