@@ -29,7 +29,7 @@ def test_transient_faults_are_retried_and_counted_once(world, gsm8k, seed):
         plan[questions[kinds.index(kind)]] = [kind]
     world.server.faults = {q: list(f) for q, f in plan.items()}
     world.server.stall_s = 3.0
-    code, out, err = gsm8k(world.args("--timeout", "0.4", "--api", "completions"))
+    code, out, err = gsm8k(world.args("--timeout", "1", "--api", "completions"))
     assert code == 0, out + err
     report = world.read_report()
     _assert_exact(report)
