@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_FLAGS ?= -q --disable-pip-version-check
 PYTEST ?= $(VENV)/bin/python -m pytest
 
-.PHONY: demo test test-core venv
+.PHONY: demo test test-core test-gsm8k venv
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,11 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/kimi-k3-moe demo
 
-test: test-core
+test: test-core test-gsm8k
 
 test-core: venv
 	$(PYTEST) tests/core
+
+# GSM8K job against a localhost server the tests start (standard library client)
+test-gsm8k: venv
+	$(PYTEST) tests/gsm8k

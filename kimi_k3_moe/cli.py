@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "doctor": "kimi_k3_moe.doctor",
     "demo": "kimi_k3_moe.demo",
+    "gsm8k": "kimi_k3_moe.gsm8k.command",
 }
 
 

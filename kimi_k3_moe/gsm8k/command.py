@@ -1,0 +1,200 @@
+"""`kimi-k3-moe gsm8k`: GSM8K accuracy of a live vLLM or SGLang server, with a CI gate.
+
+Exit status: 0 the gate passed (or no gate was given and every question was
+answered), 1 the gate failed, 2 a usage, data or connection error or an
+incomplete run (the report is still written; --resume finishes it),
+130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kimi_k3_moe.gsm8k.client import APIS, RequestFailed, RetryPolicy, Server, with_retries
+from kimi_k3_moe.gsm8k.data import DATA_DIR_ENV, DataError, fingerprint, load_gsm8k
+from kimi_k3_moe.gsm8k.gate import DEFAULT_RTOL, METRICS, make_gate
+from kimi_k3_moe.gsm8k.job import run_questions
+from kimi_k3_moe.gsm8k.prompts import STOP, build_prompt, few_shot_prefix
+from kimi_k3_moe.gsm8k.report import Report, ReportError
+
+HELP = "GSM8K accuracy of a running vLLM or SGLang server, with a pass/fail gate"
+EPILOG = f"""\
+scores: strict = the number after '#### ' in the reply; flexible = the last number
+in the reply (commas removed). Both compare by value. The gate reads the flexible
+score unless --gate-on strict: that is the score vLLM's and SGLang's GSM8K CI gate on.
+gate: --threshold T passes iff accuracy >= T; --baseline B [--rtol R] passes iff
+accuracy >= B*(1-R) (R defaults to {DEFAULT_RTOL}, vLLM's). No gate: exit 0 once all is answered.
+exit status: 0 pass, 1 fail, 2 usage/data/connection error or incomplete run, 130 interrupted.
+"""
+
+
+class UsageError(Exception):
+    pass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--base-url", required=True,
+                        help="the server, e.g. http://localhost:8000 (a trailing /v1 is accepted)")
+    parser.add_argument("--api", choices=list(APIS), default="completions",
+                        help="; ".join(f"{k}: {v[1]} ({v[0]})" for k, v in APIS.items())
+                        + " (default: %(default)s)")
+    parser.add_argument("--model", help="model name to request (default: the one /v1/models lists)")
+    parser.add_argument("--num-shots", type=int, default=5, help="worked examples (default: %(default)s)")
+    parser.add_argument("--num-questions", type=int,
+                        help="ask the first N test questions (default: all 1319)")
+    parser.add_argument("--concurrency", type=int, default=32,
+                        help="requests in flight at once (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="per reply (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one request may take in all (default: %(default)s)")
+    parser.add_argument("--retries", type=int, default=5,
+                        help="extra attempts on connection errors, timeouts, 5xx and malformed "
+                             "replies (default: %(default)s)")
+    parser.add_argument("--backoff", type=float, default=1.0,
+                        help="seconds before the first retry, doubling up to 30 (default: %(default)s)")
+    gate = parser.add_argument_group("gate")
+    gate.add_argument("--baseline", type=float, help="the accuracy this deployment should reach")
+    gate.add_argument("--threshold", type=float, help="pass iff accuracy >= THRESHOLD")
+    gate.add_argument("--rtol", type=float,
+                      help=f"pass iff accuracy >= BASELINE*(1-RTOL) (default {DEFAULT_RTOL} with --baseline)")
+    gate.add_argument("--gate-on", choices=METRICS, default="flexible",
+                      help="which accuracy the gate reads (default: %(default)s)")
+    parser.add_argument("--report", default="gsm8k_report.json",
+                        help="JSON report, also the journal --resume reads (default: %(default)s)")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue the run in --report; questions it answered are not asked again")
+    resume.add_argument("--overwrite", action="store_true", help="replace an existing --report")
+    parser.add_argument("--data-dir", default=os.environ.get(DATA_DIR_ENV),
+                        help=f"folder with GSM8K's train.jsonl and test.jsonl (default: ${DATA_DIR_ENV}; "
+                             "else the Hugging Face `datasets` loader if installed)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="bearer token for the server (default: $OPENAI_API_KEY); never written to the report")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for name, low in (("num_shots", 0), ("num_questions", 1), ("concurrency", 1), ("max_tokens", 1),
+                      ("retries", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
+    for name in ("timeout", "backoff"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name} {getattr(args, name)}: must be positive")
+
+
+def _served_model(server: Server, policy: RetryPolicy) -> str:
+    try:
+        models, _ = with_retries(server.served_models, policy)
+    except RequestFailed as exc:
+        raise UsageError(f"cannot list the server's models ({exc}); is --base-url right? "
+                         "Or pass --model") from None
+    if len(models) != 1:
+        raise UsageError(f"the server lists {len(models)} models ({', '.join(models) or 'none'}): "
+                         "choose one with --model")
+    return models[0]
+
+
+def _prepare(args: argparse.Namespace):
+    _check_numbers(args)
+    try:
+        gate = make_gate(args.baseline, args.threshold, args.rtol, args.gate_on)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    report_path = Path(args.report)
+    if report_path.exists() and not (args.resume or args.overwrite):
+        raise UsageError(f"report {report_path} exists: --resume continues it, --overwrite replaces it")
+    try:
+        train, test, source = load_gsm8k(args.data_dir)
+    except DataError as exc:
+        raise UsageError(f"GSM8K data: {exc}") from None
+    if args.num_shots > len(train):
+        raise UsageError(f"--num-shots {args.num_shots}: the training split has {len(train)} examples")
+    num_questions = len(test) if args.num_questions is None else args.num_questions
+    if num_questions > len(test):
+        raise UsageError(f"--num-questions {num_questions}: the test split has {len(test)} questions")
+    try:
+        server = Server(args.base_url, args.api, model=args.model, max_tokens=args.max_tokens, stop=STOP,
+                        timeout_s=args.timeout, api_key=args.api_key)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    policy = RetryPolicy(retries=args.retries, backoff_s=args.backoff)
+    if server.api != "sglang-generate" and not server.model:
+        server.model = _served_model(server, policy)
+    shots, problems = train[:args.num_shots], test[:num_questions]
+    prefix = few_shot_prefix([(p.question, p.answer) for p in shots])
+    prompts = [build_prompt(prefix, p.question) for p in problems]
+    settings = {"base_url": server.base_url, "api": server.api, "model": server.model,
+                "num_shots": args.num_shots, "num_questions": num_questions, "max_tokens": args.max_tokens,
+                "temperature": 0, "stop": list(STOP), "data_source": source,
+                "data_sha256": fingerprint(shots + problems)}
+    if args.resume and report_path.exists():
+        try:
+            report = Report.load(report_path)
+            report.check_resumable(settings)
+        except ReportError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"resuming {report_path}: {len(report.records)} of {num_questions} answered already")
+    else:
+        if args.resume:
+            print(f"no report at {report_path} yet: starting a new run")
+        report = Report(settings)
+    try:  # find out now, not after an hour of questions, that the report cannot be written
+        report.save(report_path, gate)
+    except OSError as exc:
+        raise UsageError(f"cannot write the report: {exc}") from None
+    return gate, report_path, server, policy, problems, prompts, report
+
+
+def _print_summary(report: Report, gate_json: dict, report_path: Path) -> None:
+    s, t, cfg = report.summary(), report.throughput(), report.settings
+    print(f"GSM8K {cfg['num_shots']}-shot, {s['answered']}/{s['questions']} questions answered by "
+          f"{cfg['model'] or 'the server'} via {cfg['api']} at {cfg['base_url']}")
+    for metric, how in (("strict", "the '#### N' answer"), ("flexible", "the last number")):
+        acc = s[f"{metric}_accuracy"]
+        print(f"  {metric:<8} accuracy {'n/a' if acc is None else f'{acc:.4f}'} "
+              f"({s[f'{metric}_correct']}/{s['answered']}, {how}; none in {s[f'{metric}_no_answer']} replies)")
+    if t.get("questions_per_s"):
+        line = f"  throughput {t['questions_per_s']:.2f} questions/s"
+        if t["completion_tokens_per_s"]:
+            line += f", {t['completion_tokens_per_s']:.1f} output tokens/s"
+        lat = t.get("latency_s")
+        if lat:
+            line += f"; latency p50 {lat['p50']:.2f} s, p90 {lat['p90']:.2f} s"
+        print(line)
+    if gate_json.get("rule"):
+        print(f"gate: {gate_json['rule']}: {gate_json['verdict']}")
+    print(f"report: {report_path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        gate, report_path, server, policy, problems, prompts, report = _prepare(args)
+    except UsageError as exc:
+        print(f"kimi-k3-moe gsm8k: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+    def checkpoint() -> None:
+        report.save(report_path, gate)
+
+    try:
+        failure = run_questions(server, policy, problems, prompts, report, concurrency=args.concurrency,
+                                checkpoint=checkpoint, progress=False if args.no_progress else None)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {len(report.records)} answered are in {report_path}; "
+              "--resume finishes the run", file=sys.stderr)
+        return 130
+    verdict = report.verdict(gate)
+    _print_summary(report, verdict, report_path)
+    if failure or not report.complete:
+        print(f"kimi-k3-moe gsm8k: incomplete: {failure or 'questions left unanswered'}; "
+              f"fix the server and run again with --resume", file=sys.stderr)
+        return 2
+    return 0 if verdict["passed"] in (True, None) else 1
