@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "doctor": "kimi_k3_moe.doctor",
     "demo": "kimi_k3_moe.demo",
+    "convert": "kimi_k3_moe.convert",
 }
 
 
