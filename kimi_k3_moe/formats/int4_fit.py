@@ -220,7 +220,7 @@ def _byte_luts(device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def histograms(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [G, 16] packed groups -> int64 [G, 15] counts per value bin.
+    """uint8 [G, 16] packed groups -> float64 [G, 15] counts per value bin.
 
     Each byte looks up its two codes as counters in 8-bit fields of two
     int64 words; summing a group's 16 words cannot carry (counts <= 32).
@@ -232,7 +232,7 @@ def histograms(packed: torch.Tensor) -> torch.Tensor:
     high = high_word[index].sum(-1, keepdim=True)
     del index
     counts = torch.cat([(low >> shifts) & 255, ((high >> shifts) & 255)[:, : NUM_BINS - 8]], dim=1)
-    return counts
+    return counts.to(torch.float64)
 
 
 def extreme_bins(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,26 +254,27 @@ def best_by_class(counts: torch.Tensor, cls: torch.Tensor, se: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact float64 error, candidate index) of each group's best row of its class's table.
 
-    Groups are sorted by class so each class is one matmul; ties go to the
-    lowest row (row 0 is the amax/7 candidate in symmetric tables).
+    `counts` is float64 [G, 15]. Groups are sorted by class so each class is
+    one matmul; ties go to the lowest row (row 0 is the amax/7 candidate in
+    symmetric tables).
     """
-    g = counts.shape[0]
-    best_err = torch.empty(g, dtype=torch.float64, device=counts.device)
-    best_idx = torch.empty(g, dtype=torch.int64, device=counts.device)
-    order = torch.argsort(cls)
+    order = torch.sort(cls.to(torch.int32), stable=True).indices
+    ordered = counts.index_select(0, order)
     sizes = torch.bincount(cls, minlength=se.shape[0]).tolist()
-    width = se.shape[1]
-    block = max(1, _SCORE_BLOCK // width)
+    se_t = se.transpose(1, 2)
+    err = torch.empty(counts.shape[0], dtype=torch.float64, device=counts.device)
+    idx = torch.empty(counts.shape[0], dtype=torch.int64, device=counts.device)
+    block = max(1, _SCORE_BLOCK // se.shape[1])
     start = 0
     for k, size in enumerate(sizes):
         for a in range(start, start + size, block):
-            rows = order[a:min(start + size, a + block)]
-            scores = counts[rows].to(torch.float64) @ se[k].T
-            err, idx = scores.min(dim=1)  # min returns the first index among ties
-            best_err[rows] = err
-            best_idx[rows] = idx
-            del scores
+            b = min(start + size, a + block)
+            # min returns the first index among equal values
+            torch.min(ordered[a:b] @ se_t[k], dim=1, out=(err[a:b], idx[a:b]))
         start += size
+    del ordered
+    best_err = torch.empty_like(err).index_put_((order,), err)
+    best_idx = torch.empty_like(idx).index_put_((order,), idx)
     return best_err, best_idx
 
 
@@ -288,6 +289,7 @@ class GroupFit:
 
 
 def fit_symmetric(counts: torch.Tensor) -> GroupFit:
+    """`counts`: float64 [G, 15] histograms (see `histograms`)."""
     tables = symmetric_tables(counts.device)
     lo, hi = extreme_bins(counts)
     cls = _magnitude_class(lo, hi)
@@ -295,30 +297,37 @@ def fit_symmetric(counts: torch.Tensor) -> GroupFit:
     return GroupFit(tables.t[cls, idx], None, tables.q[cls, idx], err)
 
 
-def _exact_error(counts: torch.Tensor, t: torch.Tensor, u: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [G, 15], exact error [G]) of per-group (t, u) on the 2^-14 grid, nearest level."""
-    values = torch.tensor(BIN_VALUES, dtype=torch.float64, device=counts.device)
-    safe = torch.where(t > 0, t, torch.ones_like(t)).unsqueeze(1)
-    q = torch.round((values - u.unsqueeze(1)) / safe).clamp(CODE_MIN, CODE_MAX)
-    q = torch.where(t.unsqueeze(1) > 0, q, torch.zeros_like(q))
-    err = (counts.to(torch.float64) * (values - (q * t.unsqueeze(1) + u.unsqueeze(1))) ** 2).sum(1)
-    return q, err
+_VALUES: dict[str, torch.Tensor] = {}
 
 
-def _least_squares(counts: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t, u) minimising sum c * (v - q t - u)^2 for fixed codes q."""
-    values = torch.tensor(BIN_VALUES, dtype=torch.float64, device=counts.device)
-    c = counts.to(torch.float64)
-    n = c.sum(1)
-    sq, sqq = (c * q).sum(1), (c * q * q).sum(1)
-    sv, sqv = (c * values).sum(1), (c * q * values).sum(1)
-    det = n * sqq - sq * sq
-    ok = det > 0
-    t = torch.where(ok, (n * sqv - sq * sv) / torch.where(ok, det, torch.ones_like(det)),
-                    torch.zeros_like(det))
-    u = (sv - t * sq) / n.clamp_min(1)
-    return t, u
+def _bin_values(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _VALUES:
+        _VALUES[key] = torch.tensor(BIN_VALUES, dtype=torch.float64, device=device)
+    return _VALUES[key]
+
+
+def _refine(counts: torch.Tensor, t: torch.Tensor, u: torch.Tensor, q: torch.Tensor, err: torch.Tensor):
+    """Least-squares (t, u) for the current codes, rounded to the format; kept where exactly better."""
+    values = _bin_values(counts.device)
+    sv = (counts * values).sum(1)
+    for _ in range(LLOYD_ROUNDS):
+        cq = counts * q
+        sq, sqq, sqv = cq.sum(1), (cq * q).sum(1), (cq * values).sum(1)
+        del cq
+        det = GROUP * sqq - sq * sq  # every group has 32 elements
+        t_new = _bf16((GROUP * sqv - sq * sv) / torch.where(det > 0, det, torch.ones_like(det)))
+        u_new = _snap_offset((sv - t_new * sq) / GROUP)
+        valid = (det > 0) & (t_new >= T_MIN) & (t_new <= T_MAX) & (u_new.abs() <= U_MAX)
+        t_new = torch.where(valid, t_new, torch.ones_like(t_new))  # placeholders, never kept
+        u_new = torch.where(valid, u_new, torch.zeros_like(u_new))
+        q_new = torch.round((values - u_new.unsqueeze(1)) / t_new.unsqueeze(1)).clamp_(CODE_MIN, CODE_MAX)
+        err_new = (counts * (values - (q_new * t_new.unsqueeze(1) + u_new.unsqueeze(1))).square_()).sum(1)
+        better = valid & (err_new < err)
+        t, u, err = torch.where(better, t_new, t), torch.where(better, u_new, u), torch.where(better, err_new, err)
+        q = torch.where(better.unsqueeze(1), q_new, q)
+        del q_new, err_new
+    return t, u, q, err
 
 
 def fit_asymmetric(counts: torch.Tensor, symmetric: GroupFit | None = None) -> GroupFit:
@@ -329,14 +338,8 @@ def fit_asymmetric(counts: torch.Tensor, symmetric: GroupFit | None = None) -> G
     cls = lo * NUM_BINS + hi
     err, idx = best_by_class(counts, cls, tables.se)
     t, u, q = tables.t[cls, idx], tables.u[cls, idx], tables.q[cls, idx].to(torch.float64)
-    for _ in range(LLOYD_ROUNDS):
-        t_new, u_new = _least_squares(counts, q)
-        t_new, u_new = _bf16(t_new), _snap_offset(u_new)
-        valid = (t_new >= T_MIN) & (t_new <= T_MAX) & (u_new.abs() <= U_MAX)
-        q_new, err_new = _exact_error(counts, torch.where(valid, t_new, t), torch.where(valid, u_new, u))
-        better = valid & (err_new < err)
-        t, u, err = torch.where(better, t_new, t), torch.where(better, u_new, u), torch.where(better, err_new, err)
-        q = torch.where(better.unsqueeze(1), q_new, q)
+    del idx
+    t, u, q, err = _refine(counts, t, u, q, err)
     use_sym = sym.err <= err  # ties keep the symmetric fit: no offset is simpler
     return GroupFit(
         torch.where(use_sym, sym.t, t),
