@@ -237,9 +237,11 @@ def histograms(packed: torch.Tensor) -> torch.Tensor:
 
 def extreme_bins(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Bins of each group's smallest and largest value."""
-    present = (counts > 0).to(torch.uint8)
-    lo = present.argmax(dim=1)  # first maximal element
-    hi = NUM_BINS - 1 - present.flip(1).argmax(dim=1)
+    present = counts > 0
+    rank = torch.arange(1, NUM_BINS + 1, device=counts.device)
+    # Distinct weights make each argmax unique, whatever a device does with ties.
+    lo = (present * rank.flip(0)).argmax(dim=1)
+    hi = (present * rank).argmax(dim=1)
     return lo, hi
 
 
@@ -373,9 +375,15 @@ def encode(packed: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def exponent_scale(x: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
-    """Normalised x * 2^(b - 127) as bf16; exact for groups in SAFE_SCALE_BYTES."""
-    exponent = scale_bytes.to(torch.int32) - mxfp4.E8M0_BIAS
-    return torch.ldexp(x.to(torch.float32), exponent.to(torch.float32)).to(torch.bfloat16)
+    """Normalised x * 2^(b - 127) as bf16; exact for groups in SAFE_SCALE_BYTES.
+
+    2^E is built from its bits (E + 127 in the exponent field), not with pow,
+    so every device computes the same product.
+    """
+    lo, hi = SAFE_SCALE_BYTES
+    biased = scale_bytes.to(torch.int32).clamp(lo, hi)  # others are replaced by the amax fallback
+    pow2 = (biased << 23).view(torch.float32)
+    return (x.to(torch.float32) * pow2).to(torch.bfloat16)
 
 
 def safe_groups(scale_bytes: torch.Tensor) -> torch.Tensor:
