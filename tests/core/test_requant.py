@@ -33,7 +33,8 @@ def same_bits(a: Int4Experts, b: Int4Experts) -> bool:
 def test_chunked_conversion_equals_whole_tensor_bit_for_bit(gen, method):
     experts = random_experts(gen, e=4)
     whole = requantize_experts(experts, method=method, chunk_bytes=1 << 40, device="cpu", progress=False)
-    for chunk_bytes in (300_000, 1 << 20):  # chunk edges fall inside experts
+    per_row = int4.scratch_bytes_per_row(256, method)
+    for chunk_bytes in (200 * per_row, 700 * per_row):  # chunk edges fall inside experts
         chunked = requantize_experts(experts, method=method, chunk_bytes=chunk_bytes, device="cpu",
                                      progress=False)
         assert same_bits(whole, chunked), chunk_bytes
@@ -71,7 +72,8 @@ def test_progress_counts_every_expert_of_both_tensors(gen):
     experts = random_experts(gen, e=5)
     seen = []
     for packed, scales in ((experts.w13_packed, experts.w13_scale), (experts.w2_packed, experts.w2_scale)):
-        int4.requantize(packed, scales, method="search", chunk_bytes=50_000, progress=seen.append)
+        per_row = int4.scratch_bytes_per_row(packed.shape[-1] * 2, "search")
+        int4.requantize(packed, scales, method="search", chunk_bytes=60 * per_row, progress=seen.append)
     assert sum(seen) == 2 * experts.num_experts and len(seen) > 2
 
 
