@@ -155,3 +155,28 @@ def test_interrupted_conversion_is_refused_then_resumed(model, monkeypatch):
     assert logged == ["resuming: 2 file(s) already converted"]
     found = conv.find_converted(model, tp_size=2, tp_rank=1, env={})
     assert same_bits(found.load_layer(2, 1), on_the_fly(model, 2, 1, 2))
+
+
+def test_routed_experts_core_serves_a_converted_layer(model, gen):
+    """The plugins' layer core loads pre-converted experts as it loads MXFP4 ones (torch backend)."""
+    from kimi_k3_moe.dispatch import BackendChoice, Platform
+    from kimi_k3_moe.reference import dense_moe, relative_l2
+    from kimi_k3_moe.routed_experts import RoutedExperts
+
+    found = convert(model)
+    situ = ActivationSpec.situv2(4.0, 25.0)
+    plan = [BackendChoice("torch", {"weight_format": "int4", "int4_method": found.method})]
+    layer = RoutedExperts(situ, platform=Platform("cpu"), plan=plan, self_check="strict")
+    experts = found.load_layer(1, 0)
+    layer.load(experts)
+    hidden = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 8, (6, 2), generator=gen, dtype=torch.int32)
+    weights = torch.rand(6, 2, generator=gen)
+    expected = dense_moe(hidden.double(), lambda e: experts.dequantize(e)[0].double(),
+                         lambda e: experts.dequantize(e)[1].double(), weights, ids, situ,
+                         compute_dtype=torch.float64)
+    silu = dense_moe(hidden.double(), lambda e: experts.dequantize(e)[0].double(),
+                     lambda e: experts.dequantize(e)[1].double(), weights, ids, ActivationSpec.silu(),
+                     compute_dtype=torch.float64)
+    out = layer(hidden, weights, ids)
+    assert relative_l2(out, expected) < 1e-2 < relative_l2(out, silu)
