@@ -134,7 +134,7 @@ def run_distribution(kind: str, args, gen: torch.Generator) -> list[dict]:
                      "exact_groups": float((group_err == 0).double().mean()),
                      "moe_out_rel_l2": relative_l2(out, out_ref),
                      "bytes_per_weight": bytes_per_weight(method), "convert_seconds": seconds})
-        del conv, deq
+        del conv
     ex_err2, ex_exact = 0.0, 0.0
     n_groups = 0
     for _, p, s in data.values():
