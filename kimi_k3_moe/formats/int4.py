@@ -6,6 +6,9 @@ to this format at load time. Layout (docs/FORMATS.md has the full text):
 nibble a two's-complement int4 in [-8, 7]; `scales` bf16 [..., N, K/32];
 optional `offsets` bf16 [..., N, K/32]; value = code * scale (+ offset).
 Kernels decode both variants the same way and add the offset when present.
+Scales may be negative (method "search"). Conversion recipes: "amax" (the
+published amax/7), "search" (error-minimising symmetric scale, the default)
+and "asym" (scale and offset); `int4_fit` holds the search.
 """
 from __future__ import annotations
 

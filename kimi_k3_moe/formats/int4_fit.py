@@ -8,7 +8,7 @@ scale t (and offset u) fitted to the normalised group becomes s = t * 2^E
 
 - a candidate's squared error on a group is the dot product of the group's
   histogram with the candidate's per-value squared errors: one float64
-  matmul scores every candidate on every group, and the sums are exact
+  matmul per class of groups scores all its candidates, and the sums are exact
   (every term is a multiple of 2^-28 below 2^15, see `_check_exact_grid`);
 - useful candidates depend only on the group's extreme values (its class),
   so each class gets one table, built once, shared by all its groups;
@@ -25,7 +25,7 @@ Asymmetric fit ("asym"): value = q * t + u, t > 0, u a bf16 offset on a
 2^-14 grid (so q * t + u is exact in fp32 and a kernel's fused multiply-add
 gives the same bits). Candidates: the symmetric fit (u = 0), windows of 15
 steps placed over [lo, hi] with shrinking widths and several alignments,
-power-of-two steps aligned on lo, then a few least-squares refinements of
+power-of-two steps aligned on lo or hi, then a few least-squares refinements of
 (t, u) per group, each kept only where it lowers the exact error.
 """
 from __future__ import annotations
