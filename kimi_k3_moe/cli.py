@@ -11,6 +11,7 @@ COMMANDS = {
     "doctor": "kimi_k3_moe.doctor",
     "demo": "kimi_k3_moe.demo",
     "gsm8k": "kimi_k3_moe.gsm8k.command",
+    "convert": "kimi_k3_moe.convert",
 }
 
 

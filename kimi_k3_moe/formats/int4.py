@@ -6,6 +6,9 @@ to this format at load time. Layout (docs/FORMATS.md has the full text):
 nibble a two's-complement int4 in [-8, 7]; `scales` bf16 [..., N, K/32];
 optional `offsets` bf16 [..., N, K/32]; value = code * scale (+ offset).
 Kernels decode both variants the same way and add the offset when present.
+Scales may be negative (method "search"). Conversion recipes: "amax" (the
+published amax/7), "search" (error-minimising symmetric scale, the default)
+and "asym" (scale and offset); `int4_fit` holds the search.
 """
 from __future__ import annotations
 
@@ -13,12 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kimi_k3_moe.formats import mxfp4
+from kimi_k3_moe.formats import int4_fit, mxfp4
 
 GROUP_SIZE = 32
 SYMMETRIC_MAX = 7
-METHODS = ("amax",)
+METHODS = ("amax", "search", "asym")
+OFFSET_METHODS = ("asym",)
+# "search" wins the fidelity benchmark (benchmarks/requant_fidelity.py,
+# docs/FORMATS.md) and keeps the symmetric layout the kernels already read.
+DEFAULT_METHOD = "search"
 _DEFAULT_CHUNK_BYTES = 256 << 20
+# Peak scratch bytes per group of 32 while converting a chunk: measured on
+# the CPU allocator at 530 (amax), 645 (search) and 880 (asym), rounded up.
+# tests/core/test_requant.py checks the peak stays within two chunks.
+_SCRATCH_PER_GROUP = {"amax": 640, "search": 768, "asym": 1280}
 
 
 @dataclass
@@ -87,8 +98,9 @@ def pack_signed(codes: torch.Tensor) -> torch.Tensor:
 
 def quantize_groups(x: torch.Tensor, *, method: str = "amax") -> tuple[torch.Tensor, torch.Tensor]:
     """float [..., K] -> (int8 codes [..., K], bf16 scales [..., K/32])."""
-    if method not in METHODS:
-        raise ValueError(f"unknown int4 method {method!r}; choose one of {METHODS}")
+    if method != "amax":
+        raise ValueError(f"quantize_groups implements the 'amax' recipe only, not {method!r}; "
+                         "the search methods fit MXFP4 groups (requantize)")
     groups = x.to(torch.float32).unflatten(-1, (-1, GROUP_SIZE))
     amax = groups.abs().amax(dim=-1)
     # Quantise with the bf16-rounded scale, so dequantisation sees the same scale.
@@ -104,38 +116,99 @@ def requantize(
     packed: torch.Tensor,
     scales: torch.Tensor,
     *,
-    method: str = "amax",
+    method: str = DEFAULT_METHOD,
     name: str = "weight",
     chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
     progress=None,
+    device: torch.device | str | None = None,
+    out_device: torch.device | str | None = None,
 ) -> Int4Weights:
-    """MXFP4 [E, N, K/2] + e8m0 [E, N, K/32] -> Int4Weights, chunked over dim 0.
+    """MXFP4 [..., N, K/2] + e8m0 [..., N, K/32] -> Int4Weights.
 
-    Peak extra memory is one chunk dequantised to fp32 (`chunk_bytes`) plus
-    its codes; `progress` (a callable taking a count) is told after each chunk.
+    Rows are converted a chunk at a time on `device` (default: where
+    `packed` is) and written to `out_device` (default: the same). One
+    chunk's scratch stays near `chunk_bytes` (`scratch_bytes_per_row`);
+    the result does not depend on the chunk size. `progress` (a callable
+    taking a count) is told each time leading items (experts) complete.
     """
     mxfp4.check_scale_shape(packed, scales, name)
     if method not in METHODS:
         raise ValueError(f"unknown int4 method {method!r}; choose one of {METHODS}")
-    lead = packed.shape[0] if packed.dim() > 2 else 1
-    view_p = packed if packed.dim() > 2 else packed.unsqueeze(0)
-    view_s = scales if scales.dim() > 2 else scales.unsqueeze(0)
-    per_item = view_p[0].numel() * 2 * 4
-    step = max(1, chunk_bytes // max(per_item, 1))
-    out_packed = torch.empty_like(view_p)
-    out_scales = torch.empty(view_s.shape, dtype=torch.bfloat16, device=scales.device)
-    for start in range(0, lead, step):
-        stop = min(lead, start + step)
-        dense = mxfp4.dequantize(view_p[start:stop], view_s[start:stop], name=name)
-        codes, group_scales = quantize_groups(dense, method=method)
-        out_packed[start:stop] = pack_signed(codes)
-        out_scales[start:stop] = group_scales
-        del dense, codes
-        if progress is not None:
-            progress(stop - start)
-    if packed.dim() == 2:
-        out_packed, out_scales = out_packed[0], out_scales[0]
-    return Int4Weights(out_packed, out_scales, method)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"{name} (packed) must be uint8, got {packed.dtype}")
+    device = torch.device(device) if device is not None else packed.device
+    out_device = torch.device(out_device) if out_device is not None else packed.device
+    half_k = packed.shape[-1]
+    rows_per_item = packed.shape[-2] if packed.dim() > 2 else packed.shape[0]
+    rows_p = packed.reshape(-1, half_k)
+    rows_s = scales.reshape(-1, scales.shape[-1])
+    total = rows_p.shape[0]
+    out_packed = torch.empty(packed.shape, dtype=torch.uint8, device=out_device)
+    out_scales = torch.empty(scales.shape, dtype=torch.bfloat16, device=out_device)
+    out_offsets = (torch.empty(scales.shape, dtype=torch.bfloat16, device=out_device)
+                   if method in OFFSET_METHODS else None)
+    flat_p, flat_s = out_packed.view(-1, half_k), out_scales.view(-1, scales.shape[-1])
+    flat_o = None if out_offsets is None else out_offsets.view(-1, scales.shape[-1])
+    step = max(1, chunk_bytes // scratch_bytes_per_row(half_k * 2, method))
+    done_items = 0
+    for start in range(0, total, step):
+        stop = min(total, start + step)
+        chunk_p = rows_p[start:stop].to(device, non_blocking=True)
+        chunk_s = rows_s[start:stop].to(device, non_blocking=True)
+        q, s, o = convert_rows(chunk_p, chunk_s, method=method, name=name)
+        del chunk_p, chunk_s
+        flat_p[start:stop] = q.to(out_device)
+        flat_s[start:stop] = s.to(out_device)
+        if flat_o is not None:
+            flat_o[start:stop] = o.to(out_device)
+        del q, s, o
+        if progress is not None and packed.dim() > 2:
+            items = stop // rows_per_item
+            if items > done_items:
+                progress(items - done_items)
+                done_items = items
+    if progress is not None and packed.dim() <= 2:
+        progress(1)
+    return Int4Weights(out_packed, out_scales, method, out_offsets)
+
+
+def scratch_bytes_per_row(k: int, method: str) -> int:
+    """Scratch memory one row of K elements needs while converting (measured, with margin)."""
+    return (k // GROUP_SIZE) * _SCRATCH_PER_GROUP[method]
+
+
+def convert_rows(packed: torch.Tensor, scales: torch.Tensor, *, method: str, name: str = "weight"
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk: uint8 [R, K/2], e8m0 [R, K/32] -> (int4 bytes, bf16 scales, bf16 offsets or None)."""
+    if method == "amax":
+        dense = mxfp4.dequantize(packed, scales, name=name)
+        codes, group_scales = quantize_groups(dense, method="amax")
+        del dense
+        return pack_signed(codes), group_scales, None
+    mxfp4.e8m0_to_float(scales, name=f"{name} scales")  # refuses NaN scale bytes, naming the tensor
+    groups = packed.reshape(-1, GROUP_SIZE // 2)
+    exps = scales.reshape(-1)
+    counts = int4_fit.histograms(groups)
+    sym = int4_fit.fit_symmetric(counts)
+    fit = int4_fit.fit_asymmetric(counts, sym) if method == "asym" else sym
+    del counts, sym
+    out = int4_fit.encode(groups, fit.q)
+    group_scales = int4_fit.exponent_scale(fit.t, exps)
+    offsets = None if fit.u is None else int4_fit.exponent_scale(fit.u, exps)
+    del fit
+    unsafe = ~int4_fit.safe_groups(exps)
+    if bool(unsafe.any()):
+        # Exponents so extreme that t * 2^E could leave bf16's normal range:
+        # the element-wise amax/7 recipe, whose arithmetic has no such limit.
+        idx = unsafe.nonzero().squeeze(1)
+        dense = mxfp4.dequantize(groups[idx], exps[idx].unsqueeze(1), name=name)
+        codes, fallback_scales = quantize_groups(dense, method="amax")
+        out[idx] = pack_signed(codes)
+        group_scales[idx] = fallback_scales.squeeze(1)
+        if offsets is not None:
+            offsets[idx] = 0
+    return (out.reshape(packed.shape), group_scales.reshape(scales.shape),
+            None if offsets is None else offsets.reshape(scales.shape))
 
 
 def relative_error(source_packed: torch.Tensor, source_scales: torch.Tensor,

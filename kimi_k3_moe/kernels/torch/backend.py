@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.base import ExpertWeights, MoEBackend
 from kimi_k3_moe.reference import dense_moe
 from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
@@ -19,21 +20,42 @@ WEIGHT_FORMATS = ("mxfp4", "int4")
 class TorchBackend(MoEBackend):
     name = "torch"
 
-    def __init__(self, weight_format: str = "mxfp4", int4_method: str = "amax",
+    def __init__(self, weight_format: str = "mxfp4", int4_method: str = int4.DEFAULT_METHOD,
                  compute_dtype: torch.dtype = torch.float32):
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"torch backend: weight_format {weight_format!r} not in {WEIGHT_FORMATS}")
+        if int4_method not in int4.METHODS:
+            raise ValueError(f"torch backend: int4_method {int4_method!r} not in {int4.METHODS}")
         self.weight_format = weight_format
         self.int4_method = int4_method
         self.compute_dtype = compute_dtype
 
     def describe(self) -> str:
+        if self.weight_format == "int4":
+            return f"{self.name}[int4/{self.int4_method}]"
         return f"{self.name}[{self.weight_format}]"
 
     def available(self) -> tuple[bool, str]:
         return True, "PyTorch runs everywhere"
 
-    def prepare(self, experts: ExpertWeights) -> ExpertWeights | Int4Experts:
+    def prepare(self, experts: ExpertWeights | Int4Experts) -> ExpertWeights | Int4Experts:
+        """MXFP4 experts, converted to int4 when asked; or experts converted ahead of time.
+
+        Pre-converted experts (a `kimi-k3-moe convert` checkpoint) are taken
+        as they are only for weight_format="int4" and only when their method
+        is this backend's `int4_method`: methods are never mixed silently.
+        """
+        if isinstance(experts, Int4Experts):
+            if self.weight_format != "int4":
+                raise ValueError(f"torch backend with weight_format={self.weight_format!r} was given "
+                                 "int4 experts; it needs the MXFP4 ones")
+            if experts.method != self.int4_method:
+                raise ValueError(f"pre-converted experts use int4 method {experts.method!r}, but this "
+                                 f"backend is configured for {self.int4_method!r}")
+            return experts
+        if not isinstance(experts, ExpertWeights):
+            raise TypeError(f"torch backend: prepare() takes ExpertWeights or Int4Experts, "
+                            f"got {type(experts).__name__}")
         if self.weight_format == "int4":
             return requantize_experts(experts, method=self.int4_method)
         return experts

@@ -1,0 +1,82 @@
+"""`kimi-k3-moe convert`: write a pre-converted int4 checkpoint that the plugins load directly.
+
+gfx942 GPUs run the experts in int4; converting 92 layers from MXFP4 at
+every server start costs minutes. This does it once, on the GPU when there
+is one. Put the output at <model>/kimi_k3_moe_int4 to have it found
+automatically, or point $KIMI_K3_MOE_CONVERTED at it.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from kimi_k3_moe.configs import ConfigError
+from kimi_k3_moe.formats import int4
+from kimi_k3_moe.weights.checkpoint import CheckpointError
+from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, TARGETS, ConvertedCheckpointError,
+                                           convert_checkpoint, open_converted, verify_sources)
+
+HELP = "convert a Kimi-K3 MXFP4 checkpoint's experts to int4 once, for gfx942 servers to load directly"
+
+
+def _layers(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        try:
+            out += list(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--layers: {part!r} is not N or N-M") from None
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="the MXFP4 model folder (config.json + safetensors)")
+    parser.add_argument("--out", required=True,
+                        help=f"output folder (MODEL/{CONVERTED_DIRNAME} is found automatically; "
+                             f"elsewhere set {ENV_CONVERTED})")
+    parser.add_argument("--target", required=True, choices=TARGETS, help="GPU architecture to serve on")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the server (default 1)")
+    parser.add_argument("--method", choices=int4.METHODS, default=int4.DEFAULT_METHOD,
+                        help=f"int4 conversion (default {int4.DEFAULT_METHOD}; docs/FORMATS.md compares them)")
+    parser.add_argument("--layers", type=_layers, help="only these MoE layers, e.g. 1-4,9")
+    parser.add_argument("--device", help="where to compute (default: a GPU if there is one, else cpu)")
+    parser.add_argument("--chunk-mib", type=int, help="scratch budget per chunk in MiB")
+    parser.add_argument("--verify", action="store_true",
+                        help="check an existing --out against the model's MXFP4 bytes instead of converting")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.verify:
+            return _verify(args)
+        start = time.perf_counter()
+        done = convert_checkpoint(
+            args.model, args.out, target=args.target, tp_size=args.tp, method=args.method,
+            layers=args.layers, device=args.device,
+            chunk_bytes=None if args.chunk_mib is None else args.chunk_mib << 20,
+            progress=not args.no_progress)
+    except (ConvertedCheckpointError, ConfigError, CheckpointError) as exc:
+        print(f"error: {exc}")
+        return 1
+    files = done.record["files"]
+    total = sum(f["size"] for f in files.values())
+    print(f"converted {len(done.layers)} MoE layer(s) x TP {done.tp_size} with method {done.method!r} "
+          f"for {args.target}: {len(files)} files, {total / 2**30:.2f} GiB in {done.path} "
+          f"({time.perf_counter() - start:.1f} s)")
+    if Path(args.out).resolve() != (Path(args.model) / CONVERTED_DIRNAME).resolve():
+        print(f"serve with {ENV_CONVERTED}={Path(args.out).resolve()}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    checkpoint = open_converted(args.out)
+    checkpoint.check_source(args.model)
+    changed = verify_sources(checkpoint, args.model, progress=not args.no_progress)
+    if changed:
+        print(f"STALE: the MXFP4 source of {len(changed)} file(s) changed: {', '.join(changed[:8])}")
+        return 1
+    print(f"OK: {len(checkpoint.record['files'])} file(s) match the source bytes of {args.model}")
+    return 0
