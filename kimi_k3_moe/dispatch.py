@@ -1,7 +1,7 @@
 """Platform -> ordered backend plan: what serves here, what stands behind it, and why.
 
-  gfx950 (MI355X)        flydsl on MXFP4 -> triton on MXFP4 -> torch
-  gfx942 (MI300X/MI325X) flydsl on int4  -> triton on int4  -> torch
+  gfx950 (MI355X)        flydsl on MXFP4 -> triton on MXFP4 -> torch on MXFP4
+  gfx942 (MI300X/MI325X) flydsl on int4  -> triton on int4  -> torch on int4
   other ROCm GPUs        triton on MXFP4 -> torch
   CUDA sm_80 and newer   triton on MXFP4 -> torch
   anything else          torch
@@ -79,9 +79,11 @@ def _choices_for(platform: Platform) -> list[BackendChoice]:
         fmt = "int4" if platform.arch in INT4_ARCHS else "mxfp4"
         why = ("no FP4 MFMA on gfx942: experts requantised to int4" if fmt == "int4"
                else "gfx950 runs MXFP4 weights directly")
+        # The whole chain shares one weight format, so a fallback computes the same
+        # function and can take pre-converted int4 experts.
         return [BackendChoice("flydsl", {"arch": platform.arch, "weight_format": fmt}, why),
                 BackendChoice("triton", {"weight_format": fmt}, "fallback behind FlyDSL"),
-                torch_choice]
+                BackendChoice("torch", {"weight_format": fmt}, "pure PyTorch, last fallback")]
     if platform.vendor == "rocm" or (platform.vendor == "cuda" and sm_version(platform.arch) >= 80):
         return [BackendChoice("triton", {"weight_format": "mxfp4"},
                               f"Triton kernels for {platform.arch}"), torch_choice]

@@ -22,8 +22,9 @@ def test_plans_per_platform():
     assert plan("rocm", "gfx950") == [("flydsl", {"arch": "gfx950", "weight_format": "mxfp4"}),
                                       ("triton", {"weight_format": "mxfp4"}),
                                       ("torch", {"weight_format": "mxfp4"})]
-    assert plan("rocm", "gfx942")[:2] == [("flydsl", {"arch": "gfx942", "weight_format": "int4"}),
-                                          ("triton", {"weight_format": "int4"})]
+    assert plan("rocm", "gfx942") == [("flydsl", {"arch": "gfx942", "weight_format": "int4"}),
+                                      ("triton", {"weight_format": "int4"}),
+                                      ("torch", {"weight_format": "int4"})]
     assert [n for n, _ in plan("rocm", "gfx90a")] == ["triton", "torch"]
     assert [n for n, _ in plan("cuda", "sm_90")] == ["triton", "torch"]
     assert [n for n, _ in plan("cuda", "sm_75")] == ["torch"]
