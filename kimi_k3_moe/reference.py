@@ -20,11 +20,17 @@ WeightFn = Callable[[int], torch.Tensor]
 def local_slots(
     topk_ids: torch.Tensor, expert_map: torch.Tensor | None
 ) -> torch.Tensor:
-    """Local expert id per (token, slot); -1 where the expert is not on this rank."""
+    """Local expert id per (token, slot); -1 where the expert is not on this rank.
+
+    Negative ids already mean "elsewhere" (SGLang's dispatcher hands over local
+    ids with -1 for remote experts); they stay -1 with or without a map rather
+    than wrapping around to the map's last entry.
+    """
     ids = topk_ids.long()
     if expert_map is None:
-        return ids
-    return expert_map.to(ids.device).long()[ids]
+        return ids.clamp_min(-1)
+    mapped = expert_map.to(ids.device).long()[ids.clamp_min(0)]
+    return torch.where(ids < 0, torch.full_like(mapped, -1), mapped)
 
 
 def dense_moe(

@@ -122,7 +122,11 @@ class MoEBackend(ABC):
         activation: ActivationSpec,
         expert_map: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[T, H] hidden -> [T, H]: this rank's sum over its experts."""
+        """[T, H] hidden -> [T, H]: this rank's sum over its experts.
+
+        A (token, slot) whose id is negative, or maps to -1 through
+        `expert_map`, names an expert on another rank and contributes nothing.
+        """
 
     @abstractmethod
     def dequantize_prepared(self, prepared: Any, expert: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,6 +115,32 @@ def test_expert_parallel_partials_sum_to_full(gen):
     assert relative_l2(total, full) < 1e-12
 
 
+def test_negative_ids_are_remote_with_or_without_a_map(gen):
+    """SGLang's EP dispatcher hands over local ids with -1 for experts on other ranks."""
+    experts = random_experts(gen, e=8)
+    weights, ids = random_routing(gen, 9, 8, 3)
+    hidden = torch.randn(9, experts.hidden_size, generator=gen, dtype=torch.float64)
+    full = moe_forward(hidden, *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
+    backend = get_backend("torch")
+    total = torch.zeros_like(full)
+    for mine in ([0, 3, 5], [1, 2, 4, 6, 7]):
+        global_to_local = torch.full((8,), -1, dtype=torch.int32)
+        global_to_local[mine] = torch.arange(len(mine), dtype=torch.int32)
+        local_ids = global_to_local[ids.long()]  # what the dispatcher passes on
+        assert (local_ids < 0).any()
+        local = experts.select(mine)
+        part = moe_forward(hidden, *local.tensors(), weights, local_ids, SITU, compute_dtype=torch.float64)
+        # An identity map over local slots must not wrap -1 round to the last expert.
+        identity = torch.arange(len(mine), dtype=torch.int32)
+        mapped = moe_forward(hidden, *local.tensors(), weights, local_ids, SITU, identity,
+                             compute_dtype=torch.float64)
+        assert relative_l2(mapped, part) < 1e-12
+        torch_part = backend.forward(backend.prepare(local), hidden.float(), weights, local_ids, SITU)
+        assert relative_l2(torch_part, part) < 1e-5
+        total += part
+    assert relative_l2(total, full) < 1e-12
+
+
 def test_bad_shapes_are_refused(gen):
     experts = random_experts(gen)
     weights, ids = random_routing(gen, 4, experts.num_experts, 2)
