@@ -73,6 +73,18 @@ class RoutedExperts:
             logger.info("kimi-k3-moe: self-check of %s passed (relative L2 %.2e)",
                         backend.describe(), _CHECKED[key])
 
+    def holds_source(self, experts: ExpertWeights) -> bool:
+        """Whether the prepared form still reads `experts`' own storage.
+
+        When it does, the engine's parameters are the prepared weights and stay;
+        when it does not (int4, a kernel's own layout) the engine may release
+        them so the layer does not hold two copies.
+        """
+        if self.backend is None:
+            raise RuntimeError("RoutedExperts.holds_source called before load()")
+        mine = {t.untyped_storage().data_ptr() for t in _tensors_in(self.prepared)}
+        return any(t.untyped_storage().data_ptr() in mine for t in experts.tensors())
+
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: torch.Tensor | None = None) -> torch.Tensor:
         if self.backend is None:
@@ -81,3 +93,20 @@ class RoutedExperts:
                                     self.activation, expert_map)
 
     __call__ = forward
+
+
+def _tensors_in(obj: Any, depth: int = 4) -> list[torch.Tensor]:
+    """Tensors reachable from a backend's prepared form (dataclasses, containers, attributes)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth == 0 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return []
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__"):
+        items = list(vars(obj).values())
+    else:
+        items = [getattr(obj, name) for name in getattr(obj, "__slots__", ())]
+    return [t for item in items for t in _tensors_in(item, depth - 1)]

@@ -30,6 +30,12 @@ def plugin_enabled(env_var: str, env=None) -> bool:
     return PLUGIN_NAME in {name.strip() for name in value.split(",")}
 
 
+def is_situ(name: Any) -> bool:
+    """Whether an engine's activation name or enum member means SiTUv2."""
+    raw = getattr(name, "value", name)
+    return HF_ACTIVATION_NAMES.get(str(raw).lower().rsplit(".", 1)[-1]) == SITUV2
+
+
 def engine_activation(name: Any, beta: float | None, linear_beta: float | None) -> ActivationSpec:
     """The engine's activation (an enum or string such as 'situ', 'silu') as a spec."""
     raw = getattr(name, "value", name)

@@ -110,3 +110,16 @@ def test_self_check_mode_from_env():
     assert self_check_mode({"KIMI_K3_MOE_SELF_CHECK": "strict"}) == "strict"
     with pytest.raises(ValueError, match="KIMI_K3_MOE_SELF_CHECK='maybe'"):
         self_check_mode({"KIMI_K3_MOE_SELF_CHECK": "maybe"})
+
+
+def test_holds_source_tells_whether_engine_weights_may_be_released(gen):
+    experts = random_experts(gen)
+    same = RoutedExperts(SITU, platform=Platform("cpu"), plan=[Choice("torch", {"weight_format": "mxfp4"})])
+    same.load(experts)
+    assert same.holds_source(experts)  # the torch backend reads the MXFP4 bytes as they are
+    own = RoutedExperts(SITU, platform=Platform("cpu"), plan=[Choice("torch", {"weight_format": "int4"})],
+                        self_check="off")
+    own.load(experts)
+    assert not own.holds_source(experts)  # requantised copy: the engine's bytes can go
+    with pytest.raises(RuntimeError, match="before load"):
+        RoutedExperts(SITU, platform=Platform("cpu")).holds_source(experts)

@@ -20,6 +20,11 @@ class FakeEnum:  # stands in for an engine's activation enum member (only .value
     value = "situ"
 
 
+def test_is_situ_reads_names_and_enums():
+    assert common.is_situ("situ") and common.is_situ(FakeEnum()) and common.is_situ("MoEActivation.SITU")
+    assert not common.is_situ("silu") and not common.is_situ("swiglu") and not common.is_situ(None)
+
+
 def test_engine_activation_names_and_unset_linear_beta():
     assert common.engine_activation(FakeEnum(), 4.0, 25.0) == ActivationSpec.situv2(4.0, 25.0)
     assert common.engine_activation("MoEActivation.SITU", 4.0, 0.0) == ActivationSpec.situv2(4.0, None)
