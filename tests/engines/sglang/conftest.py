@@ -18,10 +18,9 @@ else:
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
     os.environ.pop("SGLANG_PLUGINS", None)
 
-def pytest_collection_modifyitems(items):
-    # SGLang's import chain (flashinfer, cutlass DSL) raises dozens of deprecation warnings.
-    for item in items:
-        item.add_marker(pytest.mark.filterwarnings("ignore::DeprecationWarning"))
+def pytest_configure(config):
+    # SGLang's import chain (flashinfer, cutlass DSL) raises dozens of these.
+    config.addinivalue_line("filterwarnings", "ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="session")

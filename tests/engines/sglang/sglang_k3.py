@@ -110,26 +110,27 @@ def build_fused_moe(*, activation="situ", beta=4.0, linear_beta=25.0, quant=None
                     params_dtype=torch.bfloat16, prefix=f"{MODEL_PREFIX}.{layer}.mlp.experts")
 
 
-def checkpoint_tensors(checkpoint: Path, layers):
+def checkpoint_tensors(checkpoint: Path, layers, experts_only: bool = False):
     """(name, tensor) of the given layers, in file order, as SGLang's safetensors iterator yields them."""
     wanted = tuple(f".layers.{layer}." for layer in layers)
     for shard in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():
-                if any(tag in name for tag in wanted):
+                if any(tag in name for tag in wanted) and (".experts." in name or not experts_only):
                     yield name, f.get_tensor(name)
 
 
-def load_into(blocks: dict[int, torch.nn.Module], checkpoint: Path) -> torch.nn.Module:
+def load_into(blocks: dict[int, torch.nn.Module], checkpoint: Path, experts_only: bool = False) -> torch.nn.Module:
     """Run K3's real load_weights over the checkpoint, then SGLang's post-load step.
 
-    Only the blocks' layers are streamed: the model here holds no others.
+    Only the blocks' layers are streamed (the model here holds no others), and
+    only the routed experts' tensors when the blocks hold nothing else.
     """
     from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.models.kimi_k3 import KimiK3ForConditionalGeneration
 
     model = ModelHoldingText(TextModelHoldingMoE(text_config(), blocks))
-    KimiK3ForConditionalGeneration.load_weights(model, checkpoint_tensors(checkpoint, blocks))
+    KimiK3ForConditionalGeneration.load_weights(model, checkpoint_tensors(checkpoint, blocks, experts_only))
     DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
     return model
 
