@@ -243,6 +243,14 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         if not TopKOutputChecker.format_is_standard(topk_output):
             raise UnsupportedSGLangSetup(f"kimi-k3-moe: top-k output format {topk_output.format!r} is "
                                          "not supported (standard top-k ids and weights only)")
+        if self.routed.backend.name == "torch" and torch.cuda.is_available() \
+                and torch.cuda.is_current_stream_capturing():
+            # SGLang captures decode batches in CUDA graphs right after loading; the
+            # torch backend picks experts with host round trips, which a capture forbids.
+            raise UnsupportedSGLangSetup(
+                f"kimi-k3-moe (SGLang MoE layer {self.prefix!r}): the layer is served by the torch "
+                "fallback backend, which cannot run inside a CUDA graph capture; see the log for why "
+                "the GPU backend was refused, or launch with --disable-cuda-graph.")
         out = self.routed(dispatch_output.hidden_states, topk_output.topk_weights, topk_output.topk_ids)
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None and scale != 1.0 and not layer.should_fuse_routed_scaling_factor_in_topk:

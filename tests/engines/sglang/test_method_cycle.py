@@ -129,3 +129,23 @@ def test_process_weights_twice_is_harmless(k3_checkpoint, sglang_plugins_loaded,
         ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(5)]).to(torch.int32)
         w = torch.rand(5, 4, generator=gen)
         assert relative_l2(first(x, w, ids), method.routed(x, w, ids)) == 0
+
+
+def test_torch_fallback_refuses_cuda_graph_capture_with_a_clear_error(k3_checkpoint, sglang_plugins_loaded,
+                                                                       monkeypatch):
+    """No GPU here: the capture state is stood in for by patching torch.cuda's two queries."""
+    from sglang.srt.layers.moe.token_dispatcher import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    from kimi_k3_moe.plugin_entrypoints._sglang_method import UnsupportedSGLangSetup
+
+    path, config = k3_checkpoint
+    with serving(path):
+        block = build_block(config, MOE_LAYERS[0])
+        load_into({MOE_LAYERS[0]: block}, path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    batch = StandardDispatchOutput(torch.zeros(2, LATENT, dtype=torch.bfloat16), None, StandardTopKOutput(
+        torch.ones(2, 4), torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, 16)))
+    with pytest.raises(UnsupportedSGLangSetup, match="--disable-cuda-graph"):
+        block.experts.quant_method.apply(layer=block.experts, dispatch_output=batch)
