@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/kimi-k3-moe demo
 
-test: test-core test-gsm8k
+test: test-core test-gsm8k test-sglang
 
 test-core: venv
 	$(PYTEST) tests/core
@@ -28,3 +28,25 @@ test-core: venv
 # GSM8K job against a localhost server the tests start (standard library client)
 test-gsm8k: venv
 	$(PYTEST) tests/gsm8k
+
+# --- SGLang plugin suite: the real sglang wheel in its own venv (~11 GB, ~4 min).
+# SGLang picks its torch; the freeze taken right after is a constraints file, so
+# installing our package can add packages but never change one SGLang installed.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+
+.PHONY: venv-sglang test-sglang
+
+venv-sglang: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install $(PIP_FLAGS) "$(SGLANG_SPEC)"
+	$(SGLANG_VENV)/bin/pip freeze --exclude-editable | grep -v ' @ ' > $(SGLANG_VENV)/engine-constraints.txt
+	$(SGLANG_VENV)/bin/pip install $(PIP_FLAGS) -c $(SGLANG_VENV)/engine-constraints.txt -e ".[test]"
+	touch $@
+
+# SGLANG_USE_CPU_ENGINE=1 would import sgl_kernel (needs libcuda.so.1); SGLANG_PLUGINS
+# would filter our entry point: the suite sets both itself where it needs them.
+test-sglang: venv-sglang
+	env -u SGLANG_USE_CPU_ENGINE -u SGLANG_PLUGINS $(SGLANG_VENV)/bin/python -m pytest tests/engines/sglang
