@@ -106,6 +106,7 @@ def compile_here(cfg: KernelConfig, out_dir: str | os.PathLike) -> dict:
         "name": cfg.name, "config": dataclasses.asdict(cfg), "compile_s": round(seconds, 2),
         "artifact_key": artifact_key, "disk_cache_key": _disk_cache_key(artifact_key),
         "jit_name": launch.func.__name__, "hsaco_bytes": len(elf), "metadata": meta, "isa": stats,
+        "isa_file": str(out_dir / f"{cfg.name}.s"), "hsaco_file": str(out_dir / f"{cfg.name}.hsaco"),
         "occupancy": artifacts.occupancy(cfg.arch, vgpr=meta["vgpr_count"], agpr=meta["agpr_count"],
                                          accum_offset=stats["accum_offset"],
                                          lds_bytes=meta["group_segment_fixed_size"],

@@ -51,6 +51,7 @@ class KernelConfig:
     n_rep: int = 2                # 16-column sub-tiles per wave
     kb_unroll: int = 1            # K128 blocks per loop iteration
     a_lds: bool = False           # stage the activation tile through LDS
+    waves_per_eu: int = 0         # occupancy target handed to LLVM (caps registers); 0 = LLVM's choice
     has_offsets: bool = False     # asymmetric int4: value = q*scale + offset
     int4_decode: str = "cvt_off"  # int4 only
     activation: str | None = None       # stage 1: "silu" | "situv2"; stage 2: None
@@ -71,6 +72,9 @@ class KernelConfig:
             raise ValueError("has_offsets applies to int4 weights only")
         if self.int4_decode not in INT4_DECODES:
             raise ValueError(f"int4_decode {self.int4_decode!r} not in {INT4_DECODES}")
+        if isinstance(self.waves_per_eu, bool) or not isinstance(self.waves_per_eu, int) \
+                or not 0 <= self.waves_per_eu <= 8:
+            raise ValueError(f"waves_per_eu must be an int in [0, 8], got {self.waves_per_eu!r}")
         for field in ("N", "K", "top_k", "BM", "waves", "n_rep", "kb_unroll", "split_k"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -174,7 +178,8 @@ class KernelConfig:
         fmt = self.weight_format + ("ofs" if self.has_offsets else "")
         if self.weight_format == "int4" and self.int4_decode != "cvt_off":
             fmt += f"_{self.int4_decode}"
-        tile = f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
+        tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
+                + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else ""))
         name = (f"k3moe_s{self.stage}_{self.arch}_{fmt}_n{self.N}_k{self.K}_top{self.top_k}_{tile}_"
                 f"{self.activation_tag()}")
         if not _SYMBOL.fullmatch(name):   # it becomes an assembler symbol and a folder name

@@ -126,7 +126,16 @@ def _dequant8(cfg: KernelConfig, word: torch.Tensor, scale: torch.Tensor, offset
     vals = torch.stack(vals, dim=1)
     if offset is not None:
         vals = vals + offset[:, None]
-    return vals.to(torch.bfloat16).float()
+    return _to_bf16(cfg, vals)
+
+
+def _to_bf16(cfg: KernelConfig, vals: torch.Tensor) -> torch.Tensor:
+    """f32 -> bf16 (as f32) the way the kernel converts: hardware RNE on gfx950, layout.bf16_rne_bits on gfx942."""
+    if cfg.arch == "gfx950":
+        return vals.to(torch.bfloat16).float()
+    bits = vals.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    high = (L.bf16_rne_bits(bits) & 0xFFFF) << 16
+    return torch.where(high >= 2**31, high - 2**32, high).to(torch.int32).view(torch.float32)
 
 
 def _mfma(acc: torch.Tensor, w8: torch.Tensor, x8: torch.Tensor) -> torch.Tensor:

@@ -184,6 +184,17 @@ def e8m0_f32_bits(b):
     return b << 23
 
 
+def bf16_rne_bits(f32_bits):
+    """bf16 bit pattern (low 16 bits of the result) of a finite float32, rounded to nearest even.
+
+    Three integer ops and no NaN handling: gfx942 has no packed f32->bf16 convert, and
+    the NaN-safe lowering of a plain conversion costs five VALU ops and SGPR masks per
+    value. Weights decoded from finite codes and scales are finite. `f32_bits` must be
+    non-negative (an unsigned view): fx.Uint32 on the device, an int64 tensor on the CPU.
+    """
+    return (f32_bits + 0x7FFF + ((f32_bits >> 16) & 1)) >> 16
+
+
 # --------------------------------------------------------------------- epilogue math
 def tanh_coef(beta):
     """c such that tanh(x / beta) = 2 / (1 + 2^(c*x)) - 1."""

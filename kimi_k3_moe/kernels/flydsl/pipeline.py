@@ -21,14 +21,13 @@ from kimi_k3_moe.reference import check_routing, local_slots
 
 Launch = Callable[[KernelConfig, tuple], None]
 INT32_LIMIT = 2**31 - 1
-MAX_BM = 64   # largest alignment block the tile table may use (checked in tests)
 
 
 def max_chunk_tokens(hidden: int, inter: int, top_k: int, num_experts: int) -> int:
     """Tokens per launch such that every 32-bit byte offset of every buffer stays below 2^31."""
     by_slots = INT32_LIMIT // (top_k * hidden * 2)        # SLOTS [T*k, H] bf16 (also X: T*H*2)
     by_acc = INT32_LIMIT // (hidden * 4)                  # ACC [T, H] fp32
-    by_inter = (INT32_LIMIT // (inter * 2) - num_experts * (MAX_BM - 1)) // top_k   # INTER [P, I] bf16
+    by_inter = (INT32_LIMIT // (inter * 2) - num_experts * (tiles.MAX_BM - 1)) // top_k   # INTER [P, I] bf16
     limit = min(by_slots, by_acc, by_inter)
     if limit < 1:
         raise ValueError(f"layer too large for 32-bit buffer offsets (H={hidden}, I={inter}, k={top_k}, "
@@ -46,11 +45,34 @@ def _check_ids(local: torch.Tensor, num_experts: int) -> None:
                          f"or < -1: {local[bad][:8].tolist()}")
 
 
+def _check_pinned(configs, experts, activation, H, I, k):
+    cfg1, cfg2 = configs
+    want = {"weight_format": experts.weight_format, "has_offsets": experts.has_offsets, "top_k": k}
+    for cfg, stage, N, K in ((cfg1, 1, I, H), (cfg2, 2, H, I)):
+        got = {f: getattr(cfg, f) for f in want}
+        if cfg.stage != stage or (cfg.N, cfg.K) != (N, K) or got != want:
+            raise ValueError(f"pinned config {cfg.name} does not fit stage {stage} of this layer "
+                             f"(N={N}, K={K}, {want})")
+    if cfg1.BM != cfg2.BM:
+        raise ValueError(f"pinned configs align differently (BM {cfg1.BM} vs {cfg2.BM})")
+    if cfg1.BM > tiles.MAX_BM:
+        raise ValueError(f"pinned BM {cfg1.BM} exceeds {tiles.MAX_BM} (buffer offsets are sized for it)")
+    runtime = cfg1.activation == "situv2" and cfg1.betas == "runtime"
+    if (activation.name != "situv2") if runtime else (cfg1.activation_spec() != activation):
+        raise ValueError(f"pinned stage-1 config {cfg1.name} does not compute {activation}")
+    return cfg1, cfg2
+
+
 def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, activation: ActivationSpec, expert_map: torch.Tensor | None, *,
                 arch: str, launch: Launch, betas: str = "const", reduce: str = "slots",
-                chunk_tokens: int | None = None, table: dict | None = None) -> torch.Tensor:
-    """[T, H] -> [T, H] in hidden's dtype: this rank's sum over its experts."""
+                chunk_tokens: int | None = None, table: dict | None = None,
+                configs: tuple[KernelConfig, KernelConfig] | None = None) -> torch.Tensor:
+    """[T, H] -> [T, H] in hidden's dtype: this rank's sum over its experts.
+
+    `configs` pins the (stage 1, stage 2) kernels instead of the tile table's choice
+    (tests use it to reach every variant); they must match the layer and each other.
+    """
     if not isinstance(activation, ActivationSpec):
         raise ValueError(f"activation must be an ActivationSpec (silu or situv2), got {activation!r}")
     check_routing(hidden, topk_weights, topk_ids)
@@ -72,9 +94,13 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     for start in range(0, T, step):
         stop = min(T, start + step)
         n = stop - start
-        cfg1, cfg2 = tiles.stage_configs(arch, experts.weight_format, hidden=H, inter=I, top_k=k, num_tokens=n,
-                                         activation=activation, betas=betas, has_offsets=experts.has_offsets,
-                                         reduce=reduce, table=table)
+        if configs is None:
+            cfg1, cfg2 = tiles.stage_configs(arch, experts.weight_format, hidden=H, inter=I, top_k=k,
+                                             num_tokens=n, activation=activation, betas=betas,
+                                             has_offsets=experts.has_offsets, reduce=reduce, table=table)
+        else:
+            cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k)
+            reduce = cfg2.reduce
         routing = align_tokens(local[start:stop], E, cfg1.BM)
         P = routing.num_rows
         beta, lin_beta = runtime_betas(activation) if cfg1.betas == "runtime" else (0.0, 0.0)

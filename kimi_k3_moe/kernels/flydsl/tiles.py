@@ -22,6 +22,8 @@ from kimi_k3_moe.kernels.flydsl.config import KernelConfig, check_arch
 
 TABLE = "flydsl_tiles.json"
 TILE_FIELDS = ("waves", "n_rep", "kb_unroll", "a_lds")
+OPTIONAL_TILE_FIELDS = ("waves_per_eu",)
+MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks up to this
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,14 @@ def _validate(arch: str, tiers: list[Tier]) -> None:
     if any(not isinstance(b, int) or b < 1 for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
         raise ValueError(f"{TABLE}[{arch}]: max_tokens must be positive ints, strictly increasing; got {bounds}")
     for t in tiers:
+        if not isinstance(t.BM, int) or not 16 <= t.BM <= MAX_BM or t.BM % 16:
+            raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: BM={t.BM} must be a multiple of 16 "
+                             f"in [16, {MAX_BM}]")
         for stage in ("stage1", "stage2"):
-            if set(getattr(t, stage)) != set(TILE_FIELDS):
-                raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: {stage} must set exactly {TILE_FIELDS}")
+            keys = set(getattr(t, stage))
+            if not set(TILE_FIELDS) <= keys <= set(TILE_FIELDS + OPTIONAL_TILE_FIELDS):
+                raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: {stage} must set {TILE_FIELDS} "
+                                 f"(optionally {OPTIONAL_TILE_FIELDS}), got {sorted(keys)}")
 
 
 def load_table(data: dict | None = None) -> dict[str, tuple[Tier, ...]]:

@@ -21,13 +21,12 @@ ENV_ROCM = "KIMI_K3_MOE_FLYDSL_ROCM"   # our override; FlyDSL itself reads ROCM_
 
 
 def flydsl_version() -> str | None:
-    if importlib.util.find_spec("flydsl") is None:
-        return None
+    """The installed flydsl distribution's version (by metadata: a stray `flydsl/` folder does not count)."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         return version("flydsl")
     except PackageNotFoundError:
-        return "unknown"
+        return None
 
 
 def rocm_root(env=None) -> Path | None:

@@ -96,10 +96,23 @@ def _int4_values(cfg, word, scale, offset):
     return vals
 
 
+def _to_bf16x8(cfg, vals):
+    """8 finite f32 -> v8bf16, round to nearest even. gfx950 has v_cvt_pk_bf16_f32; gfx942
+    gets layout.bf16_rne_bits (3 integer ops, no NaN path) and a pack per pair."""
+    if cfg.arch == "gfx950":
+        return fx.Vector.from_elements(vals, fx.Float32).to(fx.BFloat16)
+    words = []
+    for i in range(0, 8, 2):
+        lo = L.bf16_rne_bits(vals[i].bitcast(fx.Uint32))
+        hi = L.bf16_rne_bits(vals[i + 1].bitcast(fx.Uint32))
+        words.append((lo | (hi << 16)).bitcast(fx.Int32))
+    return fx.Vector.from_elements(words, fx.Int32).bitcast(fx.BFloat16)
+
+
 def dequant8(cfg, word, scale, offset):
     """One dword of 8 packed 4-bit codes + its group's scale (and offset) -> v8bf16 MFMA fragment."""
     if cfg.weight_format == "int4":
-        return fx.Vector.from_elements(_int4_values(cfg, word, scale, offset), fx.Float32).to(fx.BFloat16)
+        return _to_bf16x8(cfg, _int4_values(cfg, word, scale, offset))
     # gfx950: v_cvt_scalef32_pk_bf16_fp4, byte selector j -> (low nibble, high nibble) = elements 2j, 2j+1
     parts = []
     for sel in range(4):

@@ -221,6 +221,8 @@ def build(cfg: KernelConfig):
         k3moe(A, W, S, OFS, SID, BE, TW, Y, num_tokens, num_rows, beta, lin_beta).launch(
             grid=(num_rows // BM, cfg.N // BN, cfg.split_k), block=(threads, 1, 1), stream=stream)
 
+    if cfg.waves_per_eu:
+        launch.compile_hints = {**launch.compile_hints, "waves_per_eu": cfg.waves_per_eu}
     # FlyDSL names the host function and the disk-cache folder after this; the
     # config name carries the activation and the exact beta bits.
     launch.func.__name__ = cfg.name
