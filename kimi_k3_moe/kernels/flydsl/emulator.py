@@ -169,6 +169,7 @@ def _activate(cfg: KernelConfig, gate: torch.Tensor, up: torch.Tensor, beta: flo
 # --------------------------------------------------------------------- the grid
 def launch(cfg: KernelConfig, args: tuple) -> None:
     """Play one kernel launch on the CPU; writes the output buffer (args[7]) in place."""
+    _check_signature(cfg, args)
     A, W, S, OFS, SID, BE, TW, Y, num_tokens, num_rows, beta, lin_beta = args
     if num_rows % cfg.BM:
         raise EmulatorError(f"num_rows {num_rows} is not a multiple of BM {cfg.BM}")
@@ -196,6 +197,27 @@ def launch(cfg: KernelConfig, args: tuple) -> None:
             for bid_k in range(cfg.split_k):
                 _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out,
                            None if stage1 else tw, beta, lin_beta)
+
+
+ARG_NAMES = ("A", "W", "S", "OFS", "SID", "BE", "TW", "Y", "num_tokens", "num_rows", "beta", "lin_beta")
+
+
+def _check_signature(cfg: KernelConfig, args: tuple) -> None:
+    """The compiled kernels are specialised on each tensor's dtype and rank (the placeholders
+    they were compiled with): a launch passing anything else would not match on the GPU."""
+    from kimi_k3_moe.kernels.flydsl.build import placeholder_args
+
+    expected = placeholder_args(cfg)
+    if len(args) != len(expected):
+        raise EmulatorError(f"{cfg.name}: {len(args)} arguments, the launcher takes {len(expected)}")
+    for name, got, want in zip(ARG_NAMES, args, expected):
+        if isinstance(want, torch.Tensor):
+            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.dim() != 1 \
+                    or not got.is_contiguous():
+                raise EmulatorError(f"{cfg.name}: argument {name} must be a contiguous 1-D {want.dtype} tensor, "
+                                    f"got {getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}")
+        elif not isinstance(got, (int, float)) or isinstance(got, bool) or type(got) is not type(want):
+            raise EmulatorError(f"{cfg.name}: argument {name} must be a Python {type(want).__name__}, got {got!r}")
 
 
 def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta):

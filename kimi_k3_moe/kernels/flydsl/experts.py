@@ -93,10 +93,12 @@ class FlyDSLExperts:
     def tensors(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scales, offsets) of "w13" or "w2", flat as the kernels take them.
 
-        Without offsets the scales stand in for the offsets argument (never read)."""
+        Without offsets a one-element bf16 tensor fills the offsets argument: never read,
+        but of the dtype the kernels were specialised for."""
         codes, scale = getattr(self, which), getattr(self, f"{which}_scale")
         offset = getattr(self, f"{which}_offset")
-        offset = scale if offset is None else offset
+        if offset is None:
+            offset = torch.zeros(1, dtype=torch.bfloat16, device=codes.device)
         return codes.reshape(-1), scale.reshape(-1), offset.reshape(-1)
 
     # ------------------------------------------------------------------ values

@@ -78,10 +78,12 @@ def main(argv=None) -> int:
     parser.add_argument("--shim", metavar="DIR", help="create the ld.lld shim under DIR")
     args = parser.parse_args(argv)
     print(f"flydsl: {flydsl_version() or 'not installed'}")
+    env = dict(os.environ)
     if args.shim:
         root = make_ld_lld_shim(args.shim)
-        print(f"ld.lld shim: {root / 'llvm/bin/ld.lld'} (export ROCM_PATH={root})")
-    print(f"ROCm root with ld.lld: {rocm_root() or 'none found'}")
+        env[ENV_ROCM] = str(root)
+        print(f"ld.lld shim: {root / 'llvm/bin/ld.lld'} (use it with {ENV_ROCM}={root} or ROCM_PATH={root})")
+    print(f"ROCm root with ld.lld: {rocm_root(env) or 'none found'}")
     print(f"ld.lld on PATH: {shutil.which('ld.lld') or 'no'}")
     return 0
 
