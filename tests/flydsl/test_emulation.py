@@ -111,7 +111,7 @@ def test_asymmetric_int4_offsets_are_honoured(gen):
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
-def test_kernel_variants_runtime_betas_atomic_split_k_unroll_and_shift_decode(gen, arch):
+def test_kernel_variants_runtime_betas_atomic_split_k_unroll_and_cvt_off_decode(gen, arch):
     prep = prepared_layer(gen, arch, inter=256)
     x, tw, ids = random_routing(gen, T, E, K, H)
     fmt = prep.weight_format
@@ -121,7 +121,7 @@ def test_kernel_variants_runtime_betas_atomic_split_k_unroll_and_shift_decode(ge
         (replace(c1, kb_unroll=2, waves=2, BM=32, a_lds=True), replace(c2, kb_unroll=2, BM=32, a_lds=True)),
     ]
     if fmt == "int4":
-        variants.append((replace(c1, int4_decode="shift"), c2))
+        variants.append((replace(c1, int4_decode="cvt_off"), c2))
     for v1, v2 in variants:
         check(prep, arch, x, tw, ids, SITU, reduce=v2.reduce, configs=(v1, v2))
 

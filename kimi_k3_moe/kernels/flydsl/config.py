@@ -22,7 +22,10 @@ MFMA = {"gfx942": "16x16x16", "gfx950": "16x16x32"}
 ACTIVATIONS = (SILU, SITUV2)
 BETA_MODES = ("const", "runtime")
 REDUCTIONS = ("slots", "atomic")
-INT4_DECODES = ("cvt_off", "shift")
+# "shift": sign-extending bit-field extract + int->float convert, instructions with plain
+# semantics (the default); "cvt_off": v_cvt_off_f32_i4, one instruction fewer per value,
+# read as sext4(n)/16 from AMD's ISA table and LLVM's constant folding, not checked on hardware.
+INT4_DECODES = ("shift", "cvt_off")
 
 
 class UnsupportedArchError(ValueError):
@@ -53,7 +56,7 @@ class KernelConfig:
     a_lds: bool = False           # stage the activation tile through LDS
     waves_per_eu: int = 0         # occupancy target handed to LLVM (caps registers); 0 = LLVM's choice
     has_offsets: bool = False     # asymmetric int4: value = q*scale + offset
-    int4_decode: str = "cvt_off"  # int4 only
+    int4_decode: str = "shift"    # int4 only: "shift" (v_bfe_i32) | "cvt_off" (v_cvt_off_f32_i4)
     activation: str | None = None       # stage 1: "silu" | "situv2"; stage 2: None
     betas: str = "const"                # situv2: "const" (baked in) | "runtime" (kernel args)
     beta: float | None = None           # const situv2 only
@@ -176,7 +179,7 @@ class KernelConfig:
     @property
     def name(self) -> str:
         fmt = self.weight_format + ("ofs" if self.has_offsets else "")
-        if self.weight_format == "int4" and self.int4_decode != "cvt_off":
+        if self.weight_format == "int4" and self.int4_decode != "shift":
             fmt += f"_{self.int4_decode}"
         tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
                 + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else ""))

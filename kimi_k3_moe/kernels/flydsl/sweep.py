@@ -1,6 +1,6 @@
 """The kernel set CI compiles: every table tile at Kimi-K3's per-rank shape, per arch,
 for SiLU and SiTUv2, plus the variants the checks need (runtime betas, a second
-beta pair, asymmetric int4, the shift decode, fp32-atomic split-K stage 2).
+beta pair, asymmetric int4, the cvt_off int4 decode, fp32-atomic split-K stage 2).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def ci_configs(archs=("gfx942", "gfx950")) -> list[KernelConfig]:
         ]
         if fmt == "int4":
             extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True),
-                       replace(s1, int4_decode="shift")]
+                       replace(s1, int4_decode="cvt_off")]
         for cfg in extras:
             out.setdefault(cfg)
     return list(out)

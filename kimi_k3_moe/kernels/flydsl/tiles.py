@@ -107,7 +107,7 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int) -> dict[str, Any]:
 
 def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int, num_tokens: int,
                   activation: ActivationSpec, betas: str = "const", has_offsets: bool = False,
-                  reduce: str = "slots", int4_decode: str = "cvt_off",
+                  reduce: str = "slots", int4_decode: str = "shift",
                   table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
     """(stage 1, stage 2) kernel configs for a layer of this shape at this token count."""
     tier = tier_for(arch, num_tokens, table)
