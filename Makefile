@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_FLAGS ?= -q --disable-pip-version-check
 PYTEST ?= $(VENV)/bin/python -m pytest
 
-.PHONY: demo test test-core test-gsm8k venv
+.PHONY: demo test test-core test-gsm8k test-flydsl venv
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/kimi-k3-moe demo
 
-test: test-core test-gsm8k test-sglang
+test: test-core test-gsm8k test-flydsl test-sglang
 
 test-core: venv
 	$(PYTEST) tests/core
@@ -50,3 +50,25 @@ $(SGLANG_VENV)/.installed: pyproject.toml
 # would filter our entry point: the suite sets both itself where it needs them.
 test-sglang: venv-sglang
 	env -u SGLANG_USE_CPU_ENGINE -u SGLANG_PLUGINS $(SGLANG_VENV)/bin/python -m pytest tests/engines/sglang
+
+# FlyDSL kernels, compile-only (no AMD GPU needed): a venv with flydsl and zig's
+# linker, an ld.lld stand-in under .tools/, the CPU emulation and compile checks,
+# then the resource table of docs/PERF.md from what was compiled.
+FLYDSL_VENV ?= .venv-flydsl
+FLYDSL_SPEC ?= flydsl==0.5.0
+FLYDSL_ROCM ?= .tools/rocm
+FLYDSL_OUT ?= out/flydsl
+
+$(FLYDSL_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(FLYDSL_VENV)
+	$(FLYDSL_VENV)/bin/pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
+	$(FLYDSL_VENV)/bin/pip install $(PIP_FLAGS) "$(FLYDSL_SPEC)" -e ".[test,flydsl]"
+	touch $@
+
+$(FLYDSL_ROCM)/llvm/bin/ld.lld: $(FLYDSL_VENV)/.installed
+	$(FLYDSL_VENV)/bin/python -m kimi_k3_moe.kernels.flydsl.toolchain --shim $(FLYDSL_ROCM)
+
+test-flydsl: $(FLYDSL_VENV)/.installed $(FLYDSL_ROCM)/llvm/bin/ld.lld
+	KIMI_K3_MOE_FLYDSL_ROCM="$(abspath $(FLYDSL_ROCM))" KIMI_K3_MOE_REQUIRE_FLYDSL=1 \
+	KIMI_K3_MOE_FLYDSL_OUT="$(FLYDSL_OUT)" $(FLYDSL_VENV)/bin/python -m pytest tests/flydsl
+	$(FLYDSL_VENV)/bin/python benchmarks/flydsl_resources.py --summary $(FLYDSL_OUT)/summary.json

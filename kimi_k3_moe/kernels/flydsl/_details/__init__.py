@@ -1,0 +1,1 @@
+"""FlyDSL kernel bodies. Importing anything here imports flydsl: only `build.py` does, lazily."""

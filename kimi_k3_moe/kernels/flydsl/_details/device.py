@@ -1,0 +1,155 @@
+"""Device-side helpers the MoE kernels call at trace time (each emits a few MLIR ops).
+
+Addresses and bit formulas come from `layout.py`, the module the CPU emulator
+evaluates too; what is here is the FlyDSL spelling around them.
+"""
+
+import flydsl.expr as fx
+from flydsl.expr import rocdl
+from flydsl.expr.typing import T
+
+from kimi_k3_moe.kernels.flydsl import layout as L
+
+
+def i32(v):
+    return fx.Int32(v).ir_value()
+
+
+def rsrc(ptr, nbytes=None):
+    """Buffer resource over a global pointer. With `nbytes` the hardware range check
+    is on: loads past it return 0 and stores (and atomics) past it are dropped."""
+    return rocdl.get_buffer_rsrc(rocdl.make_buffer_ptr(ptr, num_records_bytes=nbytes))
+
+
+def expert_ptr(tensor, element_offset):
+    """Pointer to `tensor` + a 64-bit element offset: the expert's base folds into the
+    descriptor, so 32-bit buffer offsets only ever span one expert."""
+    return fx.add_offset(fx.get_iter(tensor), element_offset)
+
+
+def load(res, byte_off, ty):
+    return rocdl.raw_ptr_buffer_load(ty, res, i32(byte_off), i32(0))
+
+
+def store(val, res, byte_off):
+    rocdl.raw_ptr_buffer_store(val.ir_value(), res, i32(byte_off), i32(0))
+
+
+def atomic_add_f32(val, res, byte_off):
+    """buffer_atomic_add_f32: exists on gfx942 and gfx950 (the packed-bf16 form is gfx950-only)."""
+    rocdl.raw_ptr_buffer_atomic_fadd(fx.Float32(val).ir_value(), res, i32(byte_off), i32(0))
+
+
+def load_i32(res, byte_off):
+    return fx.Int32(load(res, byte_off, T.i32))
+
+
+def load_f32(res, byte_off):
+    return fx.Float32(load(res, byte_off, T.f32))
+
+
+def load_v4i32(res, byte_off):
+    return fx.Vector(load(res, byte_off, T.vec(4, T.i32)))
+
+
+def exp2(x):
+    return fx.Float32(rocdl.exp2(T.f32, fx.Float32(x).ir_value()))   # v_exp_f32
+
+
+def rcp(x):
+    return fx.Float32(rocdl.rcp(T.f32, fx.Float32(x).ir_value()))    # v_rcp_f32
+
+
+def select(cond, a, b):
+    return cond.select(a, b)
+
+
+# --------------------------------------------------------------------- scales
+def load_scale(cfg, s_res, gi):
+    """Group scale as f32: bf16 (int4) or e8m0 byte (MXFP4), element gi of one expert."""
+    if cfg.weight_format == "int4":
+        return fx.BFloat16(load(s_res, gi * 2, T.bf16)).to(fx.Float32)
+    b = fx.Uint8(load(s_res, gi, T.i8)).to(fx.Int32)     # zero-extended byte
+    return L.e8m0_f32_bits(b).bitcast(fx.Float32)
+
+
+def load_offset(o_res, gi):
+    return fx.BFloat16(load(o_res, gi * 2, T.bf16)).to(fx.Float32)
+
+
+# --------------------------------------------------------------------- decode
+def _int4_values(cfg, word, scale, offset):
+    """8 int4 codes of one dword -> 8 f32 values q*scale (+ offset), element t in bits 4t..4t+3."""
+    vals = []
+    if cfg.int4_decode == "cvt_off":
+        # v_cvt_off_f32_i4 returns sext4(nibble)/16 (AMD ISA table; LLVM folds 8 -> -0.5)
+        s = scale * L.INT4_CVT_SCALE
+        odd = word.shrui(fx.Int32(4))
+        for t in range(8):
+            src = word if L.INT4_CVT_SHIFT[t] == 0 else odd
+            vals.append(fx.Float32(rocdl.cvt_off_f32_i4(src.ir_value(), byte_sel=L.INT4_CVT_BYTE[t])) * s)
+    else:
+        for t in range(8):
+            vals.append(L.int4_code_shift(word, t).to(fx.Float32) * scale)
+    if offset is not None:
+        vals = [v + offset for v in vals]
+    return vals
+
+
+def _to_bf16x8(cfg, vals):
+    """8 finite f32 -> v8bf16, round to nearest even. gfx950 has v_cvt_pk_bf16_f32; gfx942
+    gets layout.bf16_rne_bits (3 integer ops, no NaN path) and a pack per pair."""
+    if cfg.arch == "gfx950":
+        return fx.Vector.from_elements(vals, fx.Float32).to(fx.BFloat16)
+    words = []
+    for i in range(0, 8, 2):
+        lo = L.bf16_rne_bits(vals[i].bitcast(fx.Uint32))
+        hi = L.bf16_rne_bits(vals[i + 1].bitcast(fx.Uint32))
+        words.append((lo | (hi << 16)).bitcast(fx.Int32))
+    return fx.Vector.from_elements(words, fx.Int32).bitcast(fx.BFloat16)
+
+
+def dequant8(cfg, word, scale, offset):
+    """One dword of 8 packed 4-bit codes + its group's scale (and offset) -> v8bf16 MFMA fragment."""
+    if cfg.weight_format == "int4":
+        return _to_bf16x8(cfg, _int4_values(cfg, word, scale, offset))
+    # gfx950: v_cvt_scalef32_pk_bf16_fp4, byte selector j -> (low nibble, high nibble) = elements 2j, 2j+1
+    parts = []
+    for sel in range(4):
+        pair = fx.Vector(rocdl.cvt_scalef32_pk_bf16_fp4(T.vec(2, T.bf16), word.ir_value(), scale.ir_value(), sel))
+        parts += [pair[0], pair[1]]
+    return fx.Vector.from_elements(parts, fx.BFloat16)
+
+
+# --------------------------------------------------------------------- MFMA
+def mma(cfg, acc, w8, x8):
+    """acc (v4f32) += the 16x16 tile product of 8 bf16 weights and 8 bf16 activations per lane."""
+    if cfg.mfma == "16x16x32":
+        return fx.Vector(rocdl.mfma_f32_16x16x32_bf16(T.vec(4, T.f32), [w8, x8, acc]))
+    wi = w8.bitcast(fx.Int16)   # the gfx942 *_1k op takes vector<4xi16>
+    xi = x8.bitcast(fx.Int16)
+    for h in range(2):
+        sel = [4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3]
+        acc = fx.Vector(rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [wi.shuffle(wi, sel), xi.shuffle(xi, sel), acc]))
+    return acc
+
+
+# --------------------------------------------------------------------- activation
+def activation_params(cfg, beta, lin_beta):
+    """(beta, c_gate, lin_beta, c_up): Python floats folded into the code (const), or
+    fx.Float32 kernel arguments (runtime; lin_beta <= 0 means up passes unchanged)."""
+    if cfg.activation != "situv2":
+        return None
+    if cfg.betas == "const":
+        lb = cfg.linear_beta
+        return cfg.beta, L.tanh_coef(cfg.beta), lb, (None if lb is None else L.tanh_coef(lb))
+    two_log2e = fx.Float32(-2.0 * L.LOG2E)
+    return beta, two_log2e / beta, lin_beta, two_log2e / lin_beta
+
+
+def activate(cfg, params, gate, up):
+    if cfg.activation == "silu":
+        return L.silu_mul(gate, up, exp2, rcp)
+    b, cg, lb, cu = params
+    return L.situv2_mul(gate, up, b, cg, lb, cu, exp2, rcp,
+                        select=select if cfg.betas == "runtime" else None)

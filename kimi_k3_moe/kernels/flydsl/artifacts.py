@@ -1,0 +1,147 @@
+"""What a compiled FlyDSL kernel is made of: code object, AMDGPU metadata, ISA figures.
+
+Pure Python (no flydsl import): it reads the ELF code object FlyDSL produced,
+decodes its NT_AMDGPU_METADATA note (msgpack), counts instructions in the ISA
+text, and estimates occupancy from registers and LDS. Used by the compile
+driver, the CI checks and the resource table in docs/PERF.md.
+"""
+from __future__ import annotations
+
+import re
+import struct
+
+# per CU; gfx942 (CDNA3) has 64 KiB of LDS, gfx950 (CDNA4) 160 KiB
+LDS_PER_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+MAX_WAVES_PER_SIMD = 8
+SIMDS_PER_CU = 4
+REGISTERS_PER_LANE = 512   # unified arch VGPR + AGPR file on gfx90a and later
+REGISTER_GRANULE = 8
+
+EXPECTED_MFMA = {"gfx942": "v_mfma_f32_16x16x16_bf16", "gfx950": "v_mfma_f32_16x16x32_bf16"}
+
+_MFMA_RE = re.compile(r"^\s*(v_mfma\w*|v_smfmac\w*)\s", re.M)
+_SCRATCH_RE = re.compile(r"^\s*scratch_(load|store)\w*\s", re.M)
+_INSTR_RE = re.compile(r"^\s*(s_|v_|buffer_|ds_|global_|flat_|scratch_)\w*", re.M)
+
+
+# --------------------------------------------------------------------- msgpack / ELF
+def _msgpack(buf: bytes, i: int = 0):
+    """Minimal msgpack decoder: enough for the AMDGPU metadata note."""
+    b = buf[i]
+    if b <= 0x7F:
+        return b, i + 1
+    if 0x80 <= b <= 0x8F:
+        return _mp_map(buf, i + 1, b & 0x0F)
+    if 0x90 <= b <= 0x9F:
+        return _mp_array(buf, i + 1, b & 0x0F)
+    if 0xA0 <= b <= 0xBF:
+        n = b & 0x1F
+        return buf[i + 1:i + 1 + n].decode(), i + 1 + n
+    if b >= 0xE0:
+        return b - 0x100, i + 1
+    if b in (0xC0, 0xC2, 0xC3):
+        return {0xC0: None, 0xC2: False, 0xC3: True}[b], i + 1
+    fixed = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i",
+             0xD3: ">q", 0xCA: ">f", 0xCB: ">d"}
+    if b in fixed:
+        return struct.unpack_from(fixed[b], buf, i + 1)[0], i + 1 + struct.calcsize(fixed[b])
+    sized = {0xD9: (">B", "str"), 0xDA: (">H", "str"), 0xDB: (">I", "str"),
+             0xC4: (">B", "bin"), 0xC5: (">H", "bin"), 0xC6: (">I", "bin"),
+             0xDC: (">H", "arr"), 0xDD: (">I", "arr"), 0xDE: (">H", "map"), 0xDF: (">I", "map")}
+    if b not in sized:
+        raise ValueError(f"msgpack type byte 0x{b:02x} at {i} is not handled")
+    fmt, kind = sized[b]
+    n = struct.unpack_from(fmt, buf, i + 1)[0]
+    o = i + 1 + struct.calcsize(fmt)
+    if kind == "str":
+        return buf[o:o + n].decode(), o + n
+    if kind == "bin":
+        return bytes(buf[o:o + n]), o + n
+    return (_mp_array if kind == "arr" else _mp_map)(buf, o, n)
+
+
+def _mp_array(buf, i, n):
+    out = []
+    for _ in range(n):
+        v, i = _msgpack(buf, i)
+        out.append(v)
+    return out, i
+
+
+def _mp_map(buf, i, n):
+    out = {}
+    for _ in range(n):
+        k, i = _msgpack(buf, i)
+        out[k], i = _msgpack(buf, i)
+    return out, i
+
+
+def amdgpu_metadata(elf: bytes) -> dict:
+    """The decoded NT_AMDGPU_METADATA note (type 32, owner "AMDGPU") of a code object."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise ValueError("not an ELF64 code object")
+    e_shoff, = struct.unpack_from("<Q", elf, 0x28)
+    e_shentsize, e_shnum = struct.unpack_from("<HH", elf, 0x3A)
+    for s in range(e_shnum):
+        sh = e_shoff + s * e_shentsize
+        if struct.unpack_from("<I", elf, sh + 4)[0] != 7:   # SHT_NOTE
+            continue
+        off, size = struct.unpack_from("<QQ", elf, sh + 0x18)
+        p = off
+        while p < off + size:
+            namesz, descsz, ntype = struct.unpack_from("<III", elf, p)
+            name = elf[p + 12:p + 12 + namesz].rstrip(b"\0")
+            desc = p + 12 + ((namesz + 3) & ~3)
+            if name == b"AMDGPU" and ntype == 32:
+                return _msgpack(elf, desc)[0]
+            p = desc + ((descsz + 3) & ~3)
+    return {}
+
+
+KERNEL_FIELDS = (".name", ".vgpr_count", ".agpr_count", ".sgpr_count", ".vgpr_spill_count",
+                 ".sgpr_spill_count", ".group_segment_fixed_size", ".private_segment_fixed_size",
+                 ".max_flat_workgroup_size", ".kernarg_segment_size", ".wavefront_size")
+
+
+def kernel_metadata(elf: bytes) -> list[dict]:
+    meta = amdgpu_metadata(elf)
+    target = meta.get("amdhsa.target")
+    return [{**{f.lstrip("."): k.get(f) for f in KERNEL_FIELDS}, "target": target}
+            for k in meta.get("amdhsa.kernels", [])]
+
+
+# --------------------------------------------------------------------- ISA text
+def isa_stats(isa: str) -> dict:
+    mfma: dict[str, int] = {}
+    for m in _MFMA_RE.finditer(isa):
+        mfma[m.group(1)] = mfma.get(m.group(1), 0) + 1
+    accum = re.search(r"\.amdhsa_accum_offset\s+(\d+)", isa)
+    return {
+        "mfma": mfma,
+        "instructions": len(_INSTR_RE.findall(isa)),
+        "scratch_instructions": len(_SCRATCH_RE.findall(isa)),
+        "accum_offset": int(accum.group(1)) if accum else None,
+        "v_exp_f32": len(re.findall(r"^\s*v_exp_f32", isa, re.M)),
+        "v_rcp_f32": len(re.findall(r"^\s*v_rcp_f32", isa, re.M)),
+        "buffer_atomics": sorted(set(re.findall(r"^\s*(buffer_atomic_\w+)", isa, re.M))),
+    }
+
+
+def occupancy(arch: str, *, vgpr: int, agpr: int, accum_offset: int | None, lds_bytes: int,
+              waves_per_workgroup: int) -> dict:
+    """Waves per SIMD (at most 8) allowed by registers and by LDS on CDNA3/CDNA4.
+
+    Arch VGPRs take [0, accum_offset) of the unified 512-entry file when AGPRs are
+    used, AGPRs follow; allocation granule 8. An estimate from the metadata: the
+    hardware may round differently, nothing here was measured on a GPU.
+    """
+    base = accum_offset if (agpr and accum_offset) else vgpr
+    regs = max(REGISTER_GRANULE, -(-(base + (agpr or 0)) // REGISTER_GRANULE) * REGISTER_GRANULE)
+    by_regs = min(MAX_WAVES_PER_SIMD, REGISTERS_PER_LANE // regs)
+    if lds_bytes:
+        groups = LDS_PER_CU[arch] // lds_bytes
+        by_lds = min(MAX_WAVES_PER_SIMD, groups * waves_per_workgroup // SIMDS_PER_CU)
+    else:
+        by_lds = MAX_WAVES_PER_SIMD
+    return {"registers": regs, "waves_by_regs": by_regs, "waves_by_lds": by_lds,
+            "waves_per_simd": min(by_regs, by_lds)}

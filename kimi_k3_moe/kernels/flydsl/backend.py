@@ -1,0 +1,170 @@
+"""The "flydsl" backend: FlyDSL kernels on gfx942 (packed int4) and gfx950 (MXFP4).
+
+Evidence (README's ladder): compiled for gfx942 and gfx950 in CI, address logic
+played on the CPU by `emulator.py`; never run on AMD hardware here. The plugin
+runs the load-time self-check on these kernels first and falls back to Triton
+when they disagree with the reference. Importing this module does not import
+flydsl: compiling and launching do, when first needed.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
+from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
+from kimi_k3_moe.kernels.flydsl.config import (BETA_MODES, REDUCTIONS, WEIGHT_FORMATS, KernelConfig,
+                                               check_arch)
+from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
+from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+
+DEFAULT_FORMAT = {"gfx942": "int4", "gfx950": "mxfp4"}
+HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
+
+
+def detect_arch(device: int = 0) -> str | None:
+    """gfx arch of a ROCm GPU torch sees, or None (no GPU, or not a ROCm build)."""
+    if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+        return None
+    from kimi_k3_moe.dispatch import gfx_arch
+    return gfx_arch(torch.cuda.get_device_properties(device).gcnArchName)
+
+
+class FlyDSLBackend(MoEBackend):
+    name = "flydsl"
+
+    def __init__(self, arch: str | None = None, weight_format: str | None = None, *, int4_method: str = "amax",
+                 betas: str = "const", reduce: str = "slots", device: int = 0):
+        self.device_index = device
+        self.arch = check_arch(arch) if arch is not None else detect_arch(device)
+        if self.arch is not None:
+            check_arch(self.arch)
+        fmt = weight_format or (DEFAULT_FORMAT[self.arch] if self.arch else None)
+        if self.arch and fmt not in WEIGHT_FORMATS[self.arch]:
+            raise ValueError(f"flydsl on {self.arch}: weight_format {fmt!r} not in {WEIGHT_FORMATS[self.arch]}")
+        if betas not in BETA_MODES:
+            raise ValueError(f"flydsl: betas {betas!r} not in {BETA_MODES}")
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"flydsl: reduce {reduce!r} not in {REDUCTIONS}")
+        self.weight_format = fmt
+        self.int4_method = int4_method
+        self.betas = betas
+        self.reduce = reduce
+        self._compiled: dict[KernelConfig, Any] = {}
+        self._ready: tuple[bool, str] | None = None
+
+    def describe(self) -> str:
+        return f"{self.name}[{self.arch or 'no AMD GPU'}, {self.weight_format}]"
+
+    # ------------------------------------------------------------------ availability
+    def available(self) -> tuple[bool, str]:
+        if self._ready is None:
+            self._ready = self._probe()
+        return self._ready
+
+    def _probe(self) -> tuple[bool, str]:
+        try:
+            importlib.import_module("flydsl.compiler")
+        except Exception as exc:   # flydsl missing, or numpy (an undeclared dependency) missing
+            return False, f"flydsl does not import here ({type(exc).__name__}: {exc}); pip install 'kimi-k3-moe[flydsl]'"
+        if not getattr(torch.version, "hip", None):
+            return False, f"torch {torch.__version__} is not a ROCm build: FlyDSL kernels need an AMD GPU"
+        if not torch.cuda.is_available():
+            return False, "no AMD GPU visible to torch (ROCm build, but torch.cuda.is_available() is False)"
+        found = detect_arch(self.device_index)
+        if self.arch is None or found != self.arch:
+            return False, (f"GPU {self.device_index} is {found}; this backend was built for {self.arch} "
+                           f"(FlyDSL kernels exist for gfx942 and gfx950)")
+        env_arch = os.environ.get("FLYDSL_GPU_ARCH") or os.environ.get("ARCH")
+        if env_arch and env_arch != self.arch:
+            return False, f"FLYDSL_GPU_ARCH/ARCH={env_arch} contradicts the GPU's {self.arch}"
+        errors = []
+        for lib in HIP_LIBRARIES:
+            try:
+                ctypes.CDLL(lib)
+                break
+            except OSError as exc:
+                errors.append(str(exc))
+        else:
+            return False, f"the HIP runtime does not load ({'; '.join(errors)})"
+        from importlib.metadata import version
+        return True, f"flydsl {version('flydsl')} on {self.arch} ({torch.cuda.get_device_name(self.device_index)})"
+
+    # ------------------------------------------------------------------ weights
+    def prepare(self, experts: ExpertWeights | Int4Experts | FlyDSLExperts) -> FlyDSLExperts:
+        if self.arch is None:
+            raise BackendUnavailable("flydsl: no arch given and no AMD GPU detected")
+        if isinstance(experts, FlyDSLExperts):
+            prepared = experts
+        elif isinstance(experts, Int4Experts):
+            prepared = FlyDSLExperts.from_int4(experts)
+        elif isinstance(experts, ExpertWeights):
+            if self.weight_format == "int4":
+                prepared = FlyDSLExperts.from_int4(requantize_experts(experts, method=self.int4_method))
+            else:
+                prepared = FlyDSLExperts.from_mxfp4(experts)
+        else:
+            raise TypeError(f"flydsl.prepare takes ExpertWeights, Int4Experts or FlyDSLExperts, "
+                            f"got {type(experts).__name__}")
+        if prepared.weight_format != self.weight_format:
+            raise ValueError(f"flydsl[{self.arch}] runs {self.weight_format} weights; got {prepared.weight_format}")
+        try:   # a shape the kernels cannot tile is a reason to use another backend, found at load
+            tiles.stage_configs(self.arch, self.weight_format, hidden=prepared.hidden_size,
+                                inter=prepared.intermediate_size, top_k=1, num_tokens=1,
+                                activation=ActivationSpec.silu(), has_offsets=prepared.has_offsets)
+        except ValueError as exc:
+            raise BackendUnavailable(f"flydsl cannot serve this layer: {exc}") from exc
+        return prepared
+
+    def dequantize_prepared(self, prepared: FlyDSLExperts, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return prepared.dequantize(expert)
+
+    # ------------------------------------------------------------------ running
+    def forward(self, prepared: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, activation: ActivationSpec,
+                expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        self.require_available()
+        return pipeline.moe_forward(prepared, hidden, topk_weights, topk_ids, activation, expert_map,
+                                    arch=self.arch, launch=self._launch, betas=self.betas, reduce=self.reduce)
+
+    def precompile(self, prepared: FlyDSLExperts, activation: ActivationSpec, top_k: int) -> list[str]:
+        """Compile every tier's kernels for this layer now (before graph capture); their names."""
+        self.require_available()
+        names = []
+        for tier in tiles.default_table()[self.arch]:
+            n = tier.max_tokens or 1 << 20
+            for cfg in tiles.stage_configs(self.arch, self.weight_format, hidden=prepared.hidden_size,
+                                           inter=prepared.intermediate_size, top_k=top_k, num_tokens=n,
+                                           activation=activation, betas=self.betas,
+                                           has_offsets=prepared.has_offsets, reduce=self.reduce):
+                self._compiled_for(cfg)
+                names.append(cfg.name)
+        return names
+
+    def _compiled_for(self, cfg: KernelConfig):
+        compiled = self._compiled.get(cfg)
+        if compiled is None:
+            import flydsl.compiler as flyc
+            # CPU placeholders: compile without launching (with live GPU tensors flyc.compile
+            # would also launch once); the returned function binds real tensors per call.
+            try:
+                compiled = flyc.compile(build.launcher(cfg), *build.placeholder_args(cfg))
+            except Exception as exc:
+                raise BackendUnavailable(f"flydsl: compiling {cfg.name} failed: {exc}") from exc
+            if compiled is None:
+                raise BackendUnavailable("flydsl: COMPILE_ONLY is set in this process; kernels cannot run")
+            self._compiled[cfg] = compiled
+        return compiled
+
+    def _launch(self, cfg: KernelConfig, args: tuple) -> None:
+        compiled = self._compiled_for(cfg)
+        stream = torch.cuda.current_stream(self.device_index)
+        try:
+            compiled(*args, stream)
+        except Exception as exc:
+            raise BackendUnavailable(f"flydsl: launching {cfg.name} failed: {exc}") from exc

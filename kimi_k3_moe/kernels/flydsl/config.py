@@ -1,0 +1,211 @@
+"""One FlyDSL kernel specialisation: every field that changes the generated code.
+
+A `KernelConfig` is frozen and hashable: it keys the in-process memo of built
+launchers, and `name` (which carries the stage, arch, format, shape, tile,
+activation and exact beta bits) becomes the kernel symbol, the host launcher's
+name and FlyDSL's on-disk cache folder. Everything that is wrong with a config
+is refused here, when it is made, never at launch.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec
+from kimi_k3_moe.kernels.flydsl import layout
+
+ARCHS = ("gfx942", "gfx950")
+# gfx942 (CDNA3) has no FP4 matrix path or FP4 convert: it reads int4 requantised at load.
+WEIGHT_FORMATS = {"gfx942": ("int4",), "gfx950": ("mxfp4", "int4")}
+# bf16 MFMA each arch has: gfx950's K=32 form does not exist on gfx942 (LLVM aborts).
+MFMA = {"gfx942": "16x16x16", "gfx950": "16x16x32"}
+ACTIVATIONS = (SILU, SITUV2)
+BETA_MODES = ("const", "runtime")
+REDUCTIONS = ("slots", "atomic")
+# "shift": sign-extending bit-field extract + int->float convert, instructions with plain
+# semantics (the default); "cvt_off": v_cvt_off_f32_i4, one instruction fewer per value,
+# read as sext4(n)/16 from AMD's ISA table and LLVM's constant folding, not checked on hardware.
+INT4_DECODES = ("shift", "cvt_off")
+
+
+class UnsupportedArchError(ValueError):
+    """An AMD architecture the FlyDSL kernels are not written for."""
+
+
+def check_arch(arch: str) -> str:
+    if arch not in ARCHS:
+        raise UnsupportedArchError(
+            f"FlyDSL MoE kernels exist for {ARCHS} only, not {arch!r} "
+            "(gfx942 = MI300X/MI325X with int4 weights, gfx950 = MI355X with MXFP4); "
+            "use the triton backend there")
+    return arch
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    arch: str
+    stage: int                    # 1: x @ W13^T + activation; 2: inter @ W2^T * router weight
+    weight_format: str            # "int4" | "mxfp4"
+    N: int                        # output columns (stage 1: I, stage 2: H)
+    K: int                        # reduction length (stage 1: H, stage 2: I)
+    top_k: int
+    BM: int = 16                  # sorted rows per workgroup (the alignment block)
+    waves: int = 4                # waves per workgroup, side by side along N
+    n_rep: int = 2                # 16-column sub-tiles per wave
+    kb_unroll: int = 1            # K128 blocks per loop iteration
+    a_lds: bool = False           # stage the activation tile through LDS
+    waves_per_eu: int = 0         # occupancy target handed to LLVM (caps registers); 0 = LLVM's choice
+    has_offsets: bool = False     # asymmetric int4: value = q*scale + offset
+    int4_decode: str = "shift"    # int4 only: "shift" (v_bfe_i32) | "cvt_off" (v_cvt_off_f32_i4)
+    activation: str | None = None       # stage 1: "silu" | "situv2"; stage 2: None
+    betas: str = "const"                # situv2: "const" (baked in) | "runtime" (kernel args)
+    beta: float | None = None           # const situv2 only
+    linear_beta: float | None = None    # const situv2 only; None: up passes unchanged
+    reduce: str = "slots"               # stage 2: "slots" (deterministic) | "atomic" (fp32 adds)
+    split_k: int = 1                    # stage 2 with atomic reduce only
+
+    def __post_init__(self) -> None:
+        check_arch(self.arch)
+        if self.stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {self.stage!r}")
+        if self.weight_format not in WEIGHT_FORMATS[self.arch]:
+            raise ValueError(f"weight_format {self.weight_format!r} is not built for {self.arch}; "
+                             f"choose one of {WEIGHT_FORMATS[self.arch]}")
+        if self.has_offsets and self.weight_format != "int4":
+            raise ValueError("has_offsets applies to int4 weights only")
+        if self.int4_decode not in INT4_DECODES:
+            raise ValueError(f"int4_decode {self.int4_decode!r} not in {INT4_DECODES}")
+        if isinstance(self.waves_per_eu, bool) or not isinstance(self.waves_per_eu, int) \
+                or not 0 <= self.waves_per_eu <= 8:
+            raise ValueError(f"waves_per_eu must be an int in [0, 8], got {self.waves_per_eu!r}")
+        for field in ("N", "K", "top_k", "BM", "waves", "n_rep", "kb_unroll", "split_k"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"KernelConfig.{field} must be a positive int, got {v!r}")
+        self._check_tile()
+        self._check_activation()
+        self._check_reduction()
+
+    # ------------------------------------------------------------------ checks
+    def _check_tile(self) -> None:
+        if self.BM % layout.MFMA_TILE:
+            raise ValueError(f"BM={self.BM} must be a multiple of {layout.MFMA_TILE}")
+        if self.kb_unroll not in (1, 2, 4):
+            raise ValueError(f"kb_unroll={self.kb_unroll} must be 1, 2 or 4")
+        if self.waves > 16:
+            raise ValueError(f"waves={self.waves}: at most 16 waves (1024 threads) per workgroup")
+        if self.N % self.BN:
+            raise ValueError(f"N={self.N} is not a multiple of the tile width BN={self.BN} "
+                             f"(waves {self.waves} x n_rep {self.n_rep} x 16)")
+        step = layout.K_BLOCK * self.kb_unroll
+        if self.K % step:
+            raise ValueError(f"K={self.K} is not a multiple of {step} (128 x kb_unroll {self.kb_unroll})")
+        if self.a_lds and (self.BM * 16 * self.kb_unroll) % (self.waves * layout.LANES):
+            raise ValueError(f"a_lds: the staged tile's {self.BM * 16 * self.kb_unroll} 16-byte chunks "
+                             f"must split evenly over {self.waves * layout.LANES} threads")
+
+    def _check_activation(self) -> None:
+        if self.stage == 2:
+            if self.activation is not None or self.beta is not None or self.linear_beta is not None:
+                raise ValueError("stage 2 (down projection) takes no activation")
+            return
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"stage-1 activation {self.activation!r} is not implemented by the FlyDSL "
+                             f"kernels; choose one of {ACTIVATIONS}")
+        if self.betas not in BETA_MODES:
+            raise ValueError(f"betas {self.betas!r} not in {BETA_MODES}")
+        if self.activation == SILU or self.betas == "runtime":
+            if self.beta is not None or self.linear_beta is not None:
+                raise ValueError(f"{self.activation} with betas={self.betas!r} bakes in no beta values")
+            return
+        # const situv2: both values explicit, never a default (engines disagree on them)
+        ActivationSpec.situv2(self.beta, self.linear_beta)   # raises on a missing or bad beta
+
+    def _check_reduction(self) -> None:
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"reduce {self.reduce!r} not in {REDUCTIONS}")
+        if self.split_k == 1:
+            return
+        if self.stage == 1:
+            raise ValueError("split-K on stage 1 would apply the activation to partial K sums; "
+                             "stage 1 always reduces over the full K")
+        if self.reduce != "atomic":
+            raise ValueError("stage-2 split-K needs reduce='atomic' (the slots reduction stores, it does not add)")
+        blocks = self.K // (layout.K_BLOCK * self.kb_unroll)
+        if blocks % self.split_k:
+            raise ValueError(f"split_k={self.split_k} does not divide the {blocks} K iterations "
+                             f"(K={self.K}, 128 x kb_unroll {self.kb_unroll})")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def BN(self) -> int:
+        return self.waves * self.n_rep * layout.MFMA_TILE
+
+    @property
+    def mfma(self) -> str:
+        return MFMA[self.arch]
+
+    @property
+    def threads(self) -> int:
+        return self.waves * layout.LANES
+
+    @property
+    def weight_rows(self) -> int:
+        """Rows per expert of the weight this stage reads (2I for w13, H for w2)."""
+        return 2 * self.N if self.stage == 1 else self.N
+
+    @property
+    def k_iters(self) -> int:
+        """K loop iterations per workgroup (each covers 128 x kb_unroll)."""
+        return self.K // (layout.K_BLOCK * self.kb_unroll) // self.split_k
+
+    def activation_spec(self) -> ActivationSpec | None:
+        if self.stage == 2:
+            return None
+        if self.activation == SILU:
+            return ActivationSpec.silu()
+        if self.betas == "runtime":
+            return None   # values arrive at launch
+        return ActivationSpec.situv2(self.beta, self.linear_beta)
+
+    def activation_tag(self) -> str:
+        """Stage 1: the activation and, when baked in, the exact bits of both betas."""
+        if self.stage == 2:
+            return f"red_{self.reduce}" + (f"_sk{self.split_k}" if self.split_k > 1 else "")
+        if self.activation == SITUV2 and self.betas == "runtime":
+            return "situv2_rtbeta"
+        return self.activation_spec().cache_tag()
+
+    @property
+    def name(self) -> str:
+        fmt = self.weight_format + ("ofs" if self.has_offsets else "")
+        if self.weight_format == "int4" and self.int4_decode != "shift":
+            fmt += f"_{self.int4_decode}"
+        tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
+                + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else ""))
+        name = (f"k3moe_s{self.stage}_{self.arch}_{fmt}_n{self.N}_k{self.K}_top{self.top_k}_{tile}_"
+                f"{self.activation_tag()}")
+        if not _SYMBOL.fullmatch(name):   # it becomes an assembler symbol and a folder name
+            raise ValueError(f"kernel name {name!r} is not a plain identifier")
+        return name
+
+    def with_activation(self, spec: ActivationSpec, betas: str = "const") -> "KernelConfig":
+        """This stage-1 tile for `spec`; any other activation raises ValueError."""
+        if not isinstance(spec, ActivationSpec):
+            raise ValueError(f"activation must be an ActivationSpec, got {spec!r}")
+        if spec.name == SILU:
+            return replace(self, activation=SILU, betas="const", beta=None, linear_beta=None)
+        if betas == "runtime":
+            return replace(self, activation=SITUV2, betas="runtime", beta=None, linear_beta=None)
+        return replace(self, activation=SITUV2, betas="const", beta=spec.beta, linear_beta=spec.linear_beta)
+
+
+_SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def runtime_betas(spec: ActivationSpec) -> tuple[float, float]:
+    """Kernel arguments (beta, linear_beta) for runtime-beta situv2; 0.0 = up unchanged."""
+    if spec.name != SITUV2:
+        return 0.0, 0.0
+    lb = spec.linear_beta
+    return float(spec.beta), (0.0 if lb is None else float(lb))

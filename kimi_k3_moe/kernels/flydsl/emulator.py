@@ -1,0 +1,343 @@
+"""CPU stand-in for running the FlyDSL MoE kernels: the same address logic, lane by lane.
+
+`launch(cfg, args)` takes exactly the arguments of the FlyDSL launchers and
+writes the output buffer the kernel would write. It walks the grid as the
+kernels do (workgroup, wave, K iteration, MFMA step), computes every address
+with the functions of `layout.py` that the kernels call at trace time (here on
+torch int64 lane vectors), gathers those bytes from flat byte images of the
+buffers with the hardware's buffer range check, decodes them with the kernels'
+formulas and models of the conversion instructions, multiplies 16x16 tiles in
+fp32 following AMD's documented MFMA lane layout, and stores through the same
+output offsets. It also checks what hardware would not report: reads past a
+tensor's end, accesses straddling a range limit, 32-bit offset overflow, LDS
+writes that collide or leave holes.
+
+What this stands on: the layout functions are shared with the kernels, so a
+wrong index in them shows up here. What it cannot show: that FlyDSL/LLVM lower
+the kernels as written, that the MFMA lane layout and the conversion
+instructions behave as modelled on a real gfx942/gfx950 (`_mfma`,
+`_cvt_off_f32_i4`, `_cvt_scalef32_pk_bf16_fp4` below are models from AMD's
+documentation, not measurements), or anything about timing. The load-time
+self-check on the user's GPU covers those.
+"""
+from __future__ import annotations
+
+import torch
+
+from kimi_k3_moe.kernels.flydsl import layout as L
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig
+
+NO_RANGE = 0xFFFFFFFF
+I32_MAX = 2**31 - 1
+
+
+class EmulatorError(AssertionError):
+    """The kernel as written would read or write somewhere it must not."""
+
+
+class _Buffer:
+    """A flat byte image of a kernel argument behind one buffer descriptor."""
+
+    def __init__(self, tensor: torch.Tensor, name: str, base: int = 0, records: int | None = None):
+        self.bytes = tensor.view(torch.uint8).reshape(-1)   # shares storage: stores land in the tensor
+        self.name = name
+        self.base = base                                   # 64-bit pointer offset folded into the descriptor
+        self.records = NO_RANGE if records is None else min(int(records), NO_RANGE)
+
+    def _check(self, off: torch.Tensor, nbytes: int) -> torch.Tensor:
+        off = off.long()
+        if bool((off < 0).any()) or bool((off + nbytes > I32_MAX).any()):
+            raise EmulatorError(f"{self.name}: 32-bit byte offset out of [0, 2^31): {off.min()}..{off.max()}")
+        inside = off + nbytes <= self.records
+        straddle = (off < self.records) & ~inside
+        if bool(straddle.any()):
+            raise EmulatorError(f"{self.name}: a {nbytes}-byte access straddles the range limit {self.records}")
+        end = self.base + off[inside] + nbytes
+        if end.numel() and int(end.max()) > self.bytes.numel():
+            raise EmulatorError(f"{self.name}: access up to byte {int(end.max())} of a "
+                                f"{self.bytes.numel()}-byte tensor")
+        return inside
+
+    def load(self, off: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """[L] byte offsets -> [L, nbytes] uint8; out-of-range lanes read zeros."""
+        off = off.long().reshape(-1)
+        inside = self._check(off, nbytes)
+        idx = self.base + off[:, None] + torch.arange(nbytes)
+        out = torch.zeros(off.numel(), nbytes, dtype=torch.uint8)
+        out[inside] = self.bytes[idx[inside]]
+        return out
+
+    def store(self, off: torch.Tensor, data: torch.Tensor) -> None:
+        """Out-of-range lanes are dropped, as the range check drops them."""
+        off = off.long().reshape(-1)
+        nbytes = data.shape[1]
+        inside = self._check(off, nbytes)
+        idx = self.base + off[inside][:, None] + torch.arange(nbytes)
+        self.bytes[idx.reshape(-1)] = data[inside].reshape(-1)
+
+    def atomic_add_f32(self, off: torch.Tensor, values: torch.Tensor) -> None:
+        off = off.long().reshape(-1)
+        inside = self._check(off, 4)
+        if bool((off[inside] % 4).any()):
+            raise EmulatorError(f"{self.name}: misaligned fp32 atomic")
+        f32 = self.bytes.view(torch.float32)
+        f32.index_add_(0, (self.base + off[inside]) // 4, values.reshape(-1)[inside].float())
+
+
+# --------------------------------------------------------------------- instruction models
+def _words(b16: torch.Tensor) -> torch.Tensor:
+    """[L, 16] bytes -> [L, 4] int32 dwords (little-endian)."""
+    return b16.contiguous().view(torch.int32)
+
+
+def _bf16(b16: torch.Tensor) -> torch.Tensor:
+    """[L, 16] bytes -> [L, 8] bf16 values as fp32."""
+    return b16.contiguous().view(torch.bfloat16).float()
+
+
+def _cvt_off_f32_i4(src: torch.Tensor, byte_sel: int) -> torch.Tensor:
+    """v_cvt_off_f32_i4 with an SDWA byte selector: sext4(low nibble of the byte) / 16 (AMD ISA table)."""
+    nib = (src.long() & 0xFFFFFFFF) >> (8 * byte_sel) & 15
+    return ((nib ^ 8) - 8).float() / 16.0
+
+
+def _e2m1(code: torch.Tensor) -> torch.Tensor:
+    return L.e2m1_f32_bits(code.int()).view(torch.float32) * L.E2M1_BIAS_FIX
+
+
+def _cvt_scalef32_pk_bf16_fp4(word: torch.Tensor, scale: torch.Tensor, sel: int) -> torch.Tensor:
+    """v_cvt_scalef32_pk_bf16_fp4: byte `sel` -> (low nibble, high nibble) * scale, as bf16 [L, 2]."""
+    byte = (word.long() & 0xFFFFFFFF) >> (8 * sel) & 255
+    pair = torch.stack([_e2m1(byte & 15), _e2m1(byte >> 4)], dim=-1) * scale[:, None]
+    return pair.to(torch.bfloat16).float()
+
+
+def _dequant8(cfg: KernelConfig, word: torch.Tensor, scale: torch.Tensor, offset) -> torch.Tensor:
+    """[64] dwords + [64] scales (+ offsets) -> [64, 8] bf16 weights as fp32 (element t = bits 4t..)."""
+    if cfg.weight_format == "mxfp4":
+        return torch.cat([_cvt_scalef32_pk_bf16_fp4(word, scale, sel) for sel in range(4)], dim=1)
+    if cfg.int4_decode == "cvt_off":
+        s = scale * L.INT4_CVT_SCALE
+        odd = (word.long() & 0xFFFFFFFF) >> 4                       # shrui
+        vals = [_cvt_off_f32_i4(word if L.INT4_CVT_SHIFT[t] == 0 else odd, L.INT4_CVT_BYTE[t]) * s
+                for t in range(8)]
+    else:
+        vals = [L.int4_code_shift(word.int(), t).float() * scale for t in range(8)]
+    vals = torch.stack(vals, dim=1)
+    if offset is not None:
+        vals = vals + offset[:, None]
+    return _to_bf16(cfg, vals)
+
+
+def _to_bf16(cfg: KernelConfig, vals: torch.Tensor) -> torch.Tensor:
+    """f32 -> bf16 (as f32) the way the kernel converts: hardware RNE on gfx950, layout.bf16_rne_bits on gfx942."""
+    if cfg.arch == "gfx950":
+        return vals.to(torch.bfloat16).float()
+    bits = vals.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    high = (L.bf16_rne_bits(bits) & 0xFFFF) << 16
+    return torch.where(high >= 2**31, high - 2**32, high).to(torch.int32).view(torch.float32)
+
+
+def _mfma(acc: torch.Tensor, w8: torch.Tensor, x8: torch.Tensor) -> torch.Tensor:
+    """16x16 tile: lane 16g+i gives A[i][8g+t] = w8[lane, t] and B[8g+t][i] = x8[lane, t]."""
+    a = w8.view(4, 16, 8).permute(1, 0, 2).reshape(16, 32)
+    b = x8.view(4, 16, 8).permute(0, 2, 1).reshape(32, 16)
+    return acc + a @ b
+
+
+def _lane_values(d: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """[64, 4]: the D elements a lane holds in accumulator registers e = 0..3."""
+    e = torch.arange(4)
+    i, c = L.d_row_col(g[:, None], r[:, None], e[None, :])
+    return d[i, c]
+
+
+def _activate(cfg: KernelConfig, gate: torch.Tensor, up: torch.Tensor, beta: float, lin_beta: float):
+    exp2, rcp = torch.exp2, torch.reciprocal
+    if cfg.activation == "silu":
+        return L.silu_mul(gate, up, exp2, rcp)
+    if cfg.betas == "const":
+        lb = cfg.linear_beta
+        return L.situv2_mul(gate, up, cfg.beta, L.tanh_coef(cfg.beta), lb,
+                            None if lb is None else L.tanh_coef(lb), exp2, rcp)
+    b = torch.tensor(beta, dtype=torch.float32)
+    lb = torch.tensor(lin_beta, dtype=torch.float32)
+    two_log2e = torch.tensor(-2.0 * L.LOG2E, dtype=torch.float32)
+    return L.situv2_mul(gate, up, b, two_log2e / b, lb, two_log2e / lb, exp2, rcp, select=torch.where)
+
+
+# --------------------------------------------------------------------- the grid
+def launch(cfg: KernelConfig, args: tuple) -> None:
+    """Play one kernel launch on the CPU; writes the output buffer (args[7]) in place."""
+    _check_signature(cfg, args)
+    A, W, S, OFS, SID, BE, TW, Y, num_tokens, num_rows, beta, lin_beta = args
+    if num_rows % cfg.BM:
+        raise EmulatorError(f"num_rows {num_rows} is not a multiple of BM {cfg.BM}")
+    R, K, N = cfg.weight_rows, cfg.K, cfg.N
+    stage1 = cfg.stage == 1
+    sid = _Buffer(SID, "SID")
+    if stage1:
+        act = _Buffer(A, "X", records=num_tokens * K * 2)
+        out = _Buffer(Y, "INTER", records=num_rows * N * 2)
+    else:
+        act = _Buffer(A, "INTER", records=num_rows * K * 2)
+        tw = _Buffer(TW, "topk_weights", records=num_tokens * cfg.top_k * 4)
+        per_token = cfg.top_k * N * 2 if cfg.reduce == "slots" else N * 4
+        out = _Buffer(Y, "SLOTS" if cfg.reduce == "slots" else "ACC", records=num_tokens * per_token)
+    s_bytes = 2 if cfg.weight_format == "int4" else 1
+    for bid_m in range(num_rows // cfg.BM):
+        expert = int(BE[bid_m])
+        if expert < 0:
+            continue
+        code_base = L.expert_code_base(expert, R, K)
+        group_base = L.expert_group_base(expert, R, K)
+        bufs = (_Buffer(W, "W", base=code_base), _Buffer(S, "S", base=group_base * s_bytes),
+                _Buffer(OFS, "OFS", base=group_base * 2) if cfg.has_offsets else None)
+        for bid_n in range(N // cfg.BN):
+            for bid_k in range(cfg.split_k):
+                _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out,
+                           None if stage1 else tw, beta, lin_beta)
+
+
+ARG_NAMES = ("A", "W", "S", "OFS", "SID", "BE", "TW", "Y", "num_tokens", "num_rows", "beta", "lin_beta")
+
+
+def _check_signature(cfg: KernelConfig, args: tuple) -> None:
+    """The compiled kernels are specialised on each tensor's dtype and rank (the placeholders
+    they were compiled with): a launch passing anything else would not match on the GPU."""
+    from kimi_k3_moe.kernels.flydsl.build import placeholder_args
+
+    expected = placeholder_args(cfg)
+    if len(args) != len(expected):
+        raise EmulatorError(f"{cfg.name}: {len(args)} arguments, the launcher takes {len(expected)}")
+    for name, got, want in zip(ARG_NAMES, args, expected):
+        if isinstance(want, torch.Tensor):
+            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.dim() != 1 \
+                    or not got.is_contiguous():
+                raise EmulatorError(f"{cfg.name}: argument {name} must be a contiguous 1-D {want.dtype} tensor, "
+                                    f"got {getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}")
+        elif not isinstance(got, (int, float)) or isinstance(got, bool) or type(got) is not type(want):
+            raise EmulatorError(f"{cfg.name}: argument {name} must be a Python {type(want).__name__}, got {got!r}")
+
+
+def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta):
+    rw, rs, ro = bufs
+    BM, BN, K, N, U, n_rep = cfg.BM, cfg.BN, cfg.K, cfg.N, cfg.kb_unroll, cfg.n_rep
+    stage1 = cfg.stage == 1
+    m_rep = BM // L.MFMA_TILE
+    lane = torch.arange(L.LANES)
+    g, r = L.lane_split(lane)
+    waves = []
+    for wave in range(cfg.waves):
+        p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, n_rep)[0] + r for mi in range(m_rep)]
+        slots = [_words(sid.load(L.sid_byte_offset(p), 4))[:, 0] for p in p_rows]
+        a_rows = [L.slot_token(s, cfg.top_k) for s in slots] if stage1 else p_rows
+        w_rows = []
+        for ni in range(n_rep):
+            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, BM, BN, n_rep)[1]
+            w_rows += [L.gate_up_row(n0 + r, gu, N) for gu in range(2)] if stage1 else [n0 + r]
+        accs = [torch.zeros(16, 16) for _ in range(len(w_rows) * m_rep)]
+        waves.append((wave, p_rows, slots, a_rows, w_rows, accs))
+
+    lds_plan = _lds_plan(cfg, bid_m, sid) if cfg.a_lds else None
+    for it in range(cfg.k_iters):
+        kb0 = (bid_k * cfg.k_iters + it) * U
+        lds = _stage_tile(cfg, act, lds_plan, kb0) if cfg.a_lds else None
+        for wave, p_rows, slots, a_rows, w_rows, accs in waves:
+            for u in range(U):
+                kb = kb0 + u
+                wq, sc, of = [], [], []
+                for row in w_rows:
+                    gi = L.group_index(row, kb, g, K)
+                    wq.append(_words(rw.load(L.w_byte_offset(row, kb, g, K), 16)))
+                    if cfg.weight_format == "int4":
+                        sc.append(_bf16_scalar(rs.load(gi * 2, 2)))
+                    else:
+                        b = rs.load(gi, 1)[:, 0].int()
+                        sc.append(L.e8m0_f32_bits(b).view(torch.float32))
+                    of.append(_bf16_scalar(ro.load(gi * 2, 2)) if cfg.has_offsets else None)
+                xs = []
+                for mi in range(m_rep):
+                    for j in range(4):
+                        if cfg.a_lds:
+                            lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + g * L.GROUP + j * 8, U)
+                            xs.append(_bf16(_lds_read(lds, lofs)))
+                        else:
+                            xs.append(_bf16(act.load(L.act_byte_offset(a_rows[mi], kb, g, j, K), 16)))
+                for j in range(4):
+                    for wi in range(len(w_rows)):
+                        w8 = _dequant8(cfg, wq[wi][:, j], sc[wi], of[wi])
+                        for mi in range(m_rep):
+                            accs[wi * m_rep + mi] = _mfma(accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
+
+    for wave, p_rows, slots, a_rows, w_rows, accs in waves:
+        _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta)
+
+
+def _bf16_scalar(b2: torch.Tensor) -> torch.Tensor:
+    return b2.contiguous().view(torch.bfloat16)[:, 0].float()
+
+
+def _lds_plan(cfg, bid_m, sid):
+    tid = torch.arange(cfg.threads)
+    plan = []
+    for c0 in range(0, cfg.BM * 16 * cfg.kb_unroll, cfg.threads):
+        row, cc = L.lds_chunk_coords(tid + c0, cfg.kb_unroll)
+        p = bid_m * cfg.BM + row
+        a_row = L.slot_token(_words(sid.load(L.sid_byte_offset(p), 4))[:, 0], cfg.top_k) if cfg.stage == 1 else p
+        plan.append((a_row, row, cc))
+    return plan
+
+
+def _stage_tile(cfg, act, plan, kb0):
+    """The cooperative copy into LDS; unwritten bytes hold a poison pattern."""
+    U = cfg.kb_unroll
+    lds = torch.full((cfg.BM * L.lds_row_bytes(U),), 0x7F, dtype=torch.uint8)
+    written = torch.zeros_like(lds, dtype=torch.bool)
+    for a_row, row, cc in plan:
+        data = act.load(L.staged_act_byte_offset(a_row, kb0, cc, cfg.K), 16)
+        word = L.lds_byte_offset(row, cc * 8, U) >> 2
+        idx = (word * 4)[:, None] + torch.arange(16)
+        if int(idx.max()) >= lds.numel():
+            raise EmulatorError("LDS write past the staged tile")
+        if bool(written[idx].any()) or idx.reshape(-1).unique().numel() != idx.numel():
+            raise EmulatorError("two LDS writes of one staging round hit the same bytes")
+        written[idx] = True
+        lds[idx.reshape(-1)] = data.reshape(-1)
+    return lds, written
+
+
+def _lds_read(lds_state, lofs):
+    lds, written = lds_state
+    if bool((lofs & 3).any()):
+        raise EmulatorError("misaligned LDS read")
+    idx = ((lofs >> 2) * 4)[:, None] + torch.arange(16)
+    if int(idx.max()) >= lds.numel() or not bool(written[idx].all()):
+        raise EmulatorError("LDS read of bytes no thread staged")
+    return lds[idx]
+
+
+def _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta):
+    m_rep = cfg.BM // L.MFMA_TILE
+    N = cfg.N
+    if cfg.stage == 1:
+        for ni in range(cfg.n_rep):
+            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+            for mi in range(m_rep):
+                gate = _lane_values(accs[(ni * 2 + 0) * m_rep + mi], g, r)
+                up = _lane_values(accs[(ni * 2 + 1) * m_rep + mi], g, r)
+                y = _activate(cfg, gate, up, beta, lin_beta).to(torch.bfloat16)
+                out.store(L.inter_byte_offset(p_rows[mi], n0 + g * 4, N), y.contiguous().view(torch.uint8))
+        return
+    weights = [tw.load(L.router_weight_byte_offset(s), 4).contiguous().view(torch.float32)[:, 0] for s in slots]
+    for ni in range(cfg.n_rep):
+        n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+        for mi in range(m_rep):
+            y = _lane_values(accs[ni * m_rep + mi], g, r) * weights[mi][:, None]
+            if cfg.reduce == "slots":
+                out.store(L.slot_out_byte_offset(slots[mi], n0 + g * 4, N),
+                          y.to(torch.bfloat16).contiguous().view(torch.uint8))
+            else:
+                token = L.slot_token(slots[mi], cfg.top_k)
+                for e in range(4):
+                    out.atomic_add_f32(L.acc_byte_offset(token, n0 + g * 4 + e, N), y[:, e])

@@ -1,0 +1,232 @@
+"""Index, layout and decode arithmetic of the FlyDSL MoE kernels, written once.
+
+Every function here uses only `+ - * // >> << & |` on its arguments, so the
+same call works on
+  * FlyDSL integers inside a kernel trace (the kernels in `_details/` call these
+    functions to build their addresses and decode their weights),
+  * torch integer tensors on the CPU (`emulator.py` calls the very same
+    functions to gather, byte for byte, what each GPU lane would load),
+  * plain Python ints (tests, config checks).
+No flydsl or torch import here on purpose. Operands stay non-negative wherever
+`//` or `%` would differ between the device (truncating `remsi`) and Python
+(floor); `%` is not used at all.
+
+Buffers (all flat, little-endian, row-major):
+  X     [T, K]        bf16 activations (stage 1: hidden, K = H)
+  INTER [P, N1]       bf16 stage-1 output in sorted order (stage 2 reads it, K = I)
+  W     [E, R, K/2]   uint8 4-bit codes; R = 2I (gate rows, then up) or H; element k
+                      of a row sits in byte k>>1, low nibble for even k
+  S     [E, R, K/32]  int4: bf16 scale; MXFP4: uint8 e8m0 byte (2^(b-127))
+  OFS   [E, R, K/32]  bf16 offsets (asymmetric int4 only): value = q*scale + offset
+  SLOTS [T*k, H]      bf16 stage-2 output per (token, slot); summed over the slots after
+  ACC   [T, H]        fp32 stage-2 output when stage 2 accumulates with fp32 atomics
+Routing: the flat slot s = t*k + j (token t, top-k slot j); SID[p] holds the slot
+of sorted row p, or the sentinel T*k on padding rows; BE[b] the local expert of
+the BM-row block b, or -1 for an unused block.
+
+Lane mapping of one 16x16 MFMA tile ("swap AB": the MFMA A operand is 16 weight
+rows, B is 16 activation rows transposed; wave64, lane l = 16*g + r):
+  * in K128 block kb, lane group g owns k in [128*kb + 32*g, +32): exactly one
+    scale group, one 16-byte weight load, 64 contiguous activation bytes;
+  * MFMA step j (0..3) consumes k = 128*kb + 32*g + 8*j + t, t < 8 (gfx942 splits
+    the 8 into two 16x16x16 issues of 4);
+  * lane l supplies A[r][.] from weight row n0 + r and B[.][r] from activation
+    row m0 + r; it receives D[4g + e][r], e < 4, i.e. OUT[m0 + r][n0 + 4g + e].
+Any lane<->k bijection shared by both operands sums to the same dot product,
+which is why no weight pre-shuffle is needed. The D mapping is AMD's documented
+MFMA output layout [read, not verified on hardware here].
+"""
+from __future__ import annotations
+
+LANES = 64
+K_BLOCK = 128          # K elements per lane-group block (4 groups x 32)
+GROUP = 32             # elements per scale group (MXFP4 block = int4 group)
+MFMA_TILE = 16
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------- lanes, tiles
+def lane_split(lane):
+    """(g, r): K group 0..3 and row-in-16 0..15 of a lane id."""
+    return lane >> 4, lane & 15
+
+
+def tile_origin(bid_m, bid_n, wave, ni, mi, BM, BN, n_rep):
+    """(p0, n0): first sorted row and first output column of 16x16 sub-tile (mi, ni) of a wave."""
+    return bid_m * BM + mi * MFMA_TILE, bid_n * BN + wave * (n_rep * MFMA_TILE) + ni * MFMA_TILE
+
+
+def d_row_col(g, r, e):
+    """Which element of the 16x16 D tile a lane holds in accumulator register e: (row i, col c)."""
+    return 4 * g + e, r
+
+
+# --------------------------------------------------------------------- routing
+def slot_token(slot, top_k):
+    """Token of a flat slot t*k + j (the sentinel T*k maps to token T: out of X's range)."""
+    return slot // top_k
+
+
+def sid_byte_offset(p):
+    """Byte offset of SID[p] (int32)."""
+    return p * 4
+
+
+# --------------------------------------------------------------------- weights
+def expert_code_base(e, R, K):
+    """Byte offset of expert e's codes in W [E, R, K/2] (kernels evaluate it in 64 bits)."""
+    return e * (R * (K // 2))
+
+
+def expert_group_base(e, R, K):
+    """Element offset of expert e's scales (and offsets) in S/OFS [E, R, K/32]."""
+    return e * (R * (K // GROUP))
+
+
+def gate_up_row(n_col, is_up, N):
+    """Stage 1: weight row of output column n_col, gate half (is_up=0) or up half (1)."""
+    return n_col + is_up * N
+
+
+def w_byte_offset(row, kb, g, K):
+    """Byte offset (inside one expert) of the 16-byte code chunk a lane loads in block kb."""
+    return row * (K // 2) + kb * (K_BLOCK // 2) + g * 16
+
+
+def group_index(row, kb, g, K):
+    """Element index (inside one expert) of the scale/offset of that chunk: group 4*kb + g."""
+    return row * (K // GROUP) + kb * (K_BLOCK // GROUP) + g
+
+
+def k_of(kb, g, j, t):
+    """Logical k of element t (0..7) of MFMA step j of a lane in group g, block kb."""
+    return kb * K_BLOCK + g * GROUP + j * 8 + t
+
+
+# --------------------------------------------------------------------- activations
+def act_byte_offset(row, kb, g, j, K):
+    """Byte offset of the 16-byte bf16 chunk (8 elements) of MFMA step j, activation row `row`."""
+    return (row * K + kb * K_BLOCK + g * GROUP + j * 8) * 2
+
+
+def lds_chunk_coords(c, U):
+    """Staged activation tile (BM rows x 128*U bf16): 16-byte chunk c -> (row, chunk column)."""
+    return c >> (4 + U.bit_length() - 1), c & (16 * U - 1)   # U is a Python int: 1, 2 or 4
+
+
+def lds_row_bytes(U):
+    """Bytes per staged row: 256*U plus a 16-byte pad against LDS bank conflicts."""
+    return 256 * U + 16
+
+
+def lds_byte_offset(row, kk, U):
+    """LDS byte offset of element kk (0..128*U-1) of staged row `row`."""
+    return row * lds_row_bytes(U) + kk * 2
+
+
+def staged_act_byte_offset(row, kb0, cc, K):
+    """Global byte offset of chunk column cc of activation row `row`, K128 block kb0 onwards."""
+    return (row * K + kb0 * K_BLOCK + cc * 8) * 2
+
+
+# --------------------------------------------------------------------- outputs
+def inter_byte_offset(p, n_col, N):
+    """Stage 1 output INTER[p, n_col] (bf16)."""
+    return (p * N + n_col) * 2
+
+
+def slot_out_byte_offset(slot, n_col, N):
+    """Stage 2 output SLOTS[slot, n_col] (bf16)."""
+    return (slot * N + n_col) * 2
+
+
+def acc_byte_offset(token, n_col, N):
+    """Stage 2 output ACC[token, n_col] (fp32, atomic add)."""
+    return (token * N + n_col) * 4
+
+
+def router_weight_byte_offset(slot):
+    """topk_weights flattened [T*k] fp32."""
+    return slot * 4
+
+
+# --------------------------------------------------------------------- weight decode
+# int4, "cvt_off": v_cvt_off_f32_i4 reads the low nibble of the byte that the SDWA
+# selector picks and returns sext4(nibble) / 16. Element t of a 32-bit word comes
+# from (word >> INT4_CVT_SHIFT[t]) with byte selector INT4_CVT_BYTE[t].
+INT4_CVT_SHIFT = tuple(4 * (t & 1) for t in range(8))
+INT4_CVT_BYTE = tuple(t >> 1 for t in range(8))
+INT4_CVT_SCALE = 16.0   # the instruction divides by 16; the kernel multiplies the scale back
+
+
+def int4_code_shift(word, t):
+    """Element t (0..7) of a 32-bit word as a sign-extended int4 ("shift" decode).
+
+    Needs an arithmetic right shift of a 32-bit signed value: fx.Int32 and torch.int32 do that.
+    """
+    return (word << (28 - 4 * t)) >> 28
+
+
+def e2m1_f32_bits(code):
+    """float32 bit pattern of e2m1 `code` times 2^-126: multiply the float by E2M1_BIAS_FIX.
+
+    Magnitude bits (e1 e0 m) go to f32 bits 24..22 and the sign to bit 31; e = 0 is a
+    float32 subnormal, so the kernel needs denormals kept (its default mode).
+    """
+    return ((code & 7) << 22) | ((code & 8) << 28)
+
+
+E2M1_BIAS_FIX = 2.0 ** 126
+
+
+def e8m0_f32_bits(b):
+    """float32 bit pattern of 2^(b-127) for b in 1..254 (b = 0 gives 0.0, b = 255 inf)."""
+    return b << 23
+
+
+def bf16_rne_bits(f32_bits):
+    """bf16 bit pattern (low 16 bits of the result) of a finite float32, rounded to nearest even.
+
+    Three integer ops and no NaN handling: gfx942 has no packed f32->bf16 convert, and
+    the NaN-safe lowering of a plain conversion costs five VALU ops and SGPR masks per
+    value. Weights decoded from finite codes and scales are finite. `f32_bits` must be
+    non-negative (an unsigned view): fx.Uint32 on the device, an int64 tensor on the CPU.
+    """
+    return (f32_bits + 0x7FFF + ((f32_bits >> 16) & 1)) >> 16
+
+
+# --------------------------------------------------------------------- epilogue math
+def tanh_coef(beta):
+    """c such that tanh(x / beta) = 2 / (1 + 2^(c*x)) - 1."""
+    return -2.0 * LOG2E / beta
+
+
+def sigmoid(x, exp2, rcp):
+    return rcp(1.0 + exp2(x * -LOG2E))
+
+
+def tanh_scaled(x, c, exp2, rcp):
+    """tanh(x / beta) with c = tanh_coef(beta), built from exp2 and rcp only.
+
+    Saturates to +-1 at both ends without clamping. (The `math.tanh` FlyDSL offers
+    lowers to a libcall the AMDGPU backend does not have: it compiles to garbage.)
+    """
+    return 2.0 * rcp(1.0 + exp2(x * c)) - 1.0
+
+
+def silu_mul(gate, up, exp2, rcp):
+    return gate * sigmoid(gate, exp2, rcp) * up
+
+
+def situv2_mul(gate, up, beta, c_gate, lin_beta, c_up, exp2, rcp, select=None):
+    """beta*tanh(gate/beta)*sigmoid(gate) * (lin_beta*tanh(up/lin_beta) or up).
+
+    Compile-time betas: lin_beta is a float, or None for "up passes unchanged".
+    Runtime betas: lin_beta <= 0 means unchanged, decided per element with `select`.
+    """
+    g = beta * tanh_scaled(gate, c_gate, exp2, rcp) * sigmoid(gate, exp2, rcp)
+    if select is None:
+        u = up if lin_beta is None else lin_beta * tanh_scaled(up, c_up, exp2, rcp)
+    else:
+        u = select(lin_beta > 0.0, lin_beta * tanh_scaled(up, c_up, exp2, rcp), up)
+    return g * u

@@ -1,0 +1,40 @@
+"""The kernel set CI compiles: every table tile at Kimi-K3's per-rank shape, per arch,
+for SiLU and SiTUv2, plus the variants the checks need (runtime betas, a second
+beta pair, asymmetric int4, the cvt_off int4 decode, fp32-atomic split-K stage 2).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.kernels.flydsl import tiles
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig
+
+# Kimi-K3 at TP8: routed experts run at hidden 3584, intermediate 3072/8 per rank, top-16
+K3_HIDDEN = 3584
+K3_INTER_TP8 = 384
+K3_TOP_K = 16
+K3_SITU = ActivationSpec.situv2(4.0, 25.0)
+OTHER_SITU = ActivationSpec.situv2(2.0, 1.5)   # a second beta pair: must never share a kernel with K3's
+FORMAT = {"gfx942": "int4", "gfx950": "mxfp4"}
+
+
+def ci_configs(archs=("gfx942", "gfx950")) -> list[KernelConfig]:
+    out: dict[KernelConfig, None] = {}
+    for arch in archs:
+        fmt = FORMAT[arch]
+        shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
+        for cfg in tiles.sweep_configs(arch, fmt, activations=[ActivationSpec.silu(), K3_SITU], **shape):
+            out.setdefault(cfg)
+        s1, s2 = tiles.stage_configs(arch, fmt, num_tokens=1, activation=K3_SITU, **shape)
+        extras = [
+            s1.with_activation(K3_SITU, betas="runtime"),
+            s1.with_activation(OTHER_SITU),
+            replace(s2, reduce="atomic", split_k=3),
+        ]
+        if fmt == "int4":
+            extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True),
+                       replace(s1, int4_decode="cvt_off")]
+        for cfg in extras:
+            out.setdefault(cfg)
+    return list(out)

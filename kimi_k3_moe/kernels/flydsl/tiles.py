@@ -1,0 +1,135 @@
+"""Tile configurations per arch and token tier, and the lookup every launch uses.
+
+The table (kimi_k3_moe/configs/tables/flydsl_tiles.json) lists tiers by
+`max_tokens`, ascending; a token count takes the first tier whose max_tokens
+is >= it, and the last tier (max_tokens null) takes every larger count. There
+is no other rule and no heuristic: every count >= 1 gets exactly one tier, and
+`stage_configs` fits that tier's tile to the layer's shape (same rules on every
+path: narrower tiles when N is not a multiple of the tile width, never an error
+for a shape the kernels can serve).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.kernels.flydsl import layout
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig, check_arch
+
+TABLE = "flydsl_tiles.json"
+TILE_FIELDS = ("waves", "n_rep", "kb_unroll", "a_lds")
+OPTIONAL_TILE_FIELDS = ("waves_per_eu",)
+MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks up to this
+
+
+@dataclass(frozen=True)
+class Tier:
+    max_tokens: int | None
+    BM: int
+    stage1: dict[str, Any]
+    stage2: dict[str, Any]
+
+    def serves(self, num_tokens: int) -> bool:
+        return self.max_tokens is None or num_tokens <= self.max_tokens
+
+
+def _validate(arch: str, tiers: list[Tier]) -> None:
+    if not tiers:
+        raise ValueError(f"{TABLE}: no tiers for {arch}")
+    bounds = [t.max_tokens for t in tiers]
+    if bounds[-1] is not None or any(b is None for b in bounds[:-1]):
+        raise ValueError(f"{TABLE}[{arch}]: only the last tier may (and must) have max_tokens null; got {bounds}")
+    if any(not isinstance(b, int) or b < 1 for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
+        raise ValueError(f"{TABLE}[{arch}]: max_tokens must be positive ints, strictly increasing; got {bounds}")
+    for t in tiers:
+        if not isinstance(t.BM, int) or not 16 <= t.BM <= MAX_BM or t.BM % 16:
+            raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: BM={t.BM} must be a multiple of 16 "
+                             f"in [16, {MAX_BM}]")
+        for stage in ("stage1", "stage2"):
+            keys = set(getattr(t, stage))
+            if not set(TILE_FIELDS) <= keys <= set(TILE_FIELDS + OPTIONAL_TILE_FIELDS):
+                raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: {stage} must set {TILE_FIELDS} "
+                                 f"(optionally {OPTIONAL_TILE_FIELDS}), got {sorted(keys)}")
+
+
+def load_table(data: dict | None = None) -> dict[str, tuple[Tier, ...]]:
+    """arch -> tiers, checked: ascending bounds, one open-ended last tier, complete tiles."""
+    if data is None:
+        data = json.loads(resources.files("kimi_k3_moe.configs").joinpath("tables", TABLE).read_text())
+    table = {}
+    for arch, rows in data.items():
+        if arch == "about":
+            continue
+        check_arch(arch)
+        tiers = [Tier(r["max_tokens"], r["BM"], dict(r["stage1"]), dict(r["stage2"])) for r in rows]
+        _validate(arch, tiers)
+        table[arch] = tuple(tiers)
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def default_table() -> dict[str, tuple[Tier, ...]]:
+    return load_table()
+
+
+def tier_for(arch: str, num_tokens: int, table: dict | None = None) -> Tier:
+    check_arch(arch)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+    table = default_table() if table is None else table
+    for tier in table[arch]:
+        if tier.serves(num_tokens):
+            return tier
+    raise AssertionError("unreachable: the last tier is open-ended (checked at load)")
+
+
+def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int) -> dict[str, Any]:
+    """The tier's tile, narrowed until it divides this shape (n_rep first, then waves)."""
+    if N % layout.MFMA_TILE or K % layout.K_BLOCK:
+        raise ValueError(f"FlyDSL kernels need N % {layout.MFMA_TILE} == 0 and K % {layout.K_BLOCK} == 0 "
+                         f"(got N={N}, K={K})")
+    tile = dict(stage_tile)
+    while N % (tile["waves"] * tile["n_rep"] * layout.MFMA_TILE):
+        if tile["n_rep"] > 1:
+            tile["n_rep"] //= 2
+        else:
+            tile["waves"] //= 2
+    while K % (layout.K_BLOCK * tile["kb_unroll"]):
+        tile["kb_unroll"] //= 2
+    if tile["a_lds"] and (BM * 16 * tile["kb_unroll"]) % (tile["waves"] * layout.LANES):
+        tile["a_lds"] = False
+    return tile
+
+
+def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int, num_tokens: int,
+                  activation: ActivationSpec, betas: str = "const", has_offsets: bool = False,
+                  reduce: str = "slots", int4_decode: str = "shift",
+                  table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
+    """(stage 1, stage 2) kernel configs for a layer of this shape at this token count."""
+    tier = tier_for(arch, num_tokens, table)
+    common = dict(arch=arch, weight_format=weight_format, top_k=top_k, BM=tier.BM, has_offsets=has_offsets,
+                  int4_decode=int4_decode)
+    s1 = KernelConfig(stage=1, N=inter, K=hidden, activation="silu", **common,
+                      **_fit(tier.stage1, tier.BM, inter, hidden)).with_activation(activation, betas)
+    s2 = KernelConfig(stage=2, N=hidden, K=inter, reduce=reduce, **common,
+                      **_fit(tier.stage2, tier.BM, hidden, inter))
+    return s1, s2
+
+
+def sweep_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int,
+                  activations: list[ActivationSpec], has_offsets: bool = False,
+                  table: dict | None = None) -> list[KernelConfig]:
+    """Every distinct config the table yields for this shape, per activation (CI compiles these)."""
+    table = default_table() if table is None else table
+    seen: dict[KernelConfig, None] = {}
+    for tier in table[check_arch(arch)]:
+        n = tier.max_tokens or (table[arch][-2].max_tokens + 1 if len(table[arch]) > 1 else 1)
+        for act in activations:
+            for cfg in stage_configs(arch, weight_format, hidden=hidden, inter=inter, top_k=top_k,
+                                     num_tokens=n, activation=act, has_offsets=has_offsets, table=table):
+                seen.setdefault(cfg)
+    return list(seen)

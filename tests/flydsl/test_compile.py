@@ -1,0 +1,84 @@
+"""Compile-only checks: every table tile x (gfx942, gfx950) x (silu, situv2) and the variants.
+
+Each configuration compiles in its own process (an instruction the target lacks
+aborts LLVM). Nothing here runs a kernel: there is no AMD GPU on this machine.
+The summary written to $KIMI_K3_MOE_FLYDSL_OUT/summary.json feeds docs/PERF.md
+(benchmarks/flydsl_resources.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from fly_helpers import output_dir, toolchain_or_skip
+from kimi_k3_moe.kernels.flydsl import artifacts
+from kimi_k3_moe.kernels.flydsl.build import compile_many
+from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU, OTHER_SITU, ci_configs
+
+CONFIGS = ci_configs()
+IDS = [c.name for c in CONFIGS]
+PERF_DOC = Path(__file__).resolve().parents[2] / "docs" / "PERF.md"
+# instructions that exist on gfx950 only: on gfx942 LLVM aborts or the assembler refuses them
+GFX950_ONLY = ("v_mfma_f32_16x16x32_bf16", "v_mfma_f32_32x32x16_bf16", "v_mfma_scale", "v_cvt_scalef32",
+               "v_cvt_pk_bf16_f32", "buffer_atomic_pk_add_bf16")
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    rocm = toolchain_or_skip()
+    out = output_dir(tmp_path_factory)
+    t0 = time.perf_counter()
+    results = compile_many(CONFIGS, out, rocm=rocm, jobs=2)
+    wall = time.perf_counter() - t0
+    summary = {"wall_s": round(wall, 1), "kernels": [
+        {"name": r.config.name, "status": r.status, "wall_s": round(r.wall_s, 2), "report": r.report,
+         "llvm_errors": r.llvm_errors} for r in results]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"compiled {len(results)} kernels in {wall:.1f} s into {out}")
+    return {r.config.name: r for r in results}
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_compiles_with_expected_mfma_and_no_scratch(compiled, cfg):
+    result = compiled[cfg.name]
+    assert result.ok, f"{cfg.name}: {result.status} {result.llvm_errors}\n{result.log_tail}"
+    rep = result.report
+    meta, isa = rep["metadata"], rep["isa"]
+    assert meta["target"].endswith(cfg.arch) and meta["name"] == cfg.name == rep["jit_name"]
+    assert set(isa["mfma"]) == {artifacts.EXPECTED_MFMA[cfg.arch]}, isa["mfma"]
+    assert meta["vgpr_spill_count"] == meta["sgpr_spill_count"] == 0
+    assert meta["private_segment_fixed_size"] == 0 and isa["scratch_instructions"] == 0
+    assert rep["occupancy"]["waves_per_simd"] >= 1
+    if cfg.arch == "gfx942":
+        text = Path(rep["isa_file"]).read_text()
+        assert not [op for op in GFX950_ONLY if re.search(rf"^\s*{op}", text, re.M)]
+    if cfg.stage == 1:   # the activation is exp2/rcp arithmetic, never a tanh libcall
+        assert isa["v_exp_f32"] > 0 and isa["v_rcp_f32"] > 0
+    else:
+        assert isa["v_exp_f32"] == 0
+        assert isa["buffer_atomics"] == (["buffer_atomic_add_f32"] if cfg.reduce == "atomic" else [])
+
+
+def test_activations_and_beta_pairs_never_share_a_cache_entry(compiled):
+    for arch in ("gfx942", "gfx950"):
+        stage1 = [c for c in CONFIGS if c.arch == arch and c.stage == 1 and c.BM == 16 and not c.has_offsets
+                  and c.int4_decode == "shift"]
+        tags = {c.activation_tag(): c for c in stage1}
+        wanted = ["silu", K3_SITU.cache_tag(), OTHER_SITU.cache_tag(), "situv2_rtbeta"]
+        assert set(wanted) <= set(tags), sorted(tags)
+        reports = [compiled[tags[t].name].report for t in wanted]
+        for field in ("disk_cache_key", "artifact_key", "name", "jit_name"):
+            values = [r[field] for r in reports]
+            assert len(set(values)) == len(values), (arch, field, values)
+        symbols = [r["metadata"]["name"] for r in reports]
+        assert len(set(symbols)) == len(symbols)
+
+
+def test_perf_doc_lists_every_compiled_kernel(compiled):
+    text = PERF_DOC.read_text()
+    missing = [name for name in compiled if name not in text]
+    assert not missing, f"docs/PERF.md lacks {missing}; run benchmarks/flydsl_resources.py"

@@ -1,0 +1,159 @@
+"""Kernel configs are refused when made, never at launch; every token count gets one tile."""
+from __future__ import annotations
+
+import copy
+import json
+from importlib import resources
+
+import pytest
+
+from fly_helpers import SILU, SITU
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.kernels import get_backend
+from kimi_k3_moe.kernels.flydsl import tiles
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig, UnsupportedArchError
+from kimi_k3_moe.kernels.flydsl.sweep import K3_HIDDEN, K3_INTER_TP8, K3_TOP_K, ci_configs
+
+K3 = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
+
+
+def raw_table():
+    return json.loads(resources.files("kimi_k3_moe.configs").joinpath("tables", tiles.TABLE).read_text())
+
+
+def s1(**kw):
+    base = dict(arch="gfx942", stage=1, weight_format="int4", N=384, K=3584, top_k=16, activation="silu")
+    return KernelConfig(**{**base, **kw})
+
+
+# ------------------------------------------------------------------ tiers
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_every_token_count_gets_exactly_the_first_tier_that_serves_it(arch):
+    tiers = tiles.default_table()[arch]
+    bounds = [t.max_tokens for t in tiers[:-1]]
+    counts = set(range(1, 5000)) | {b + d for b in bounds for d in (-1, 0, 1)} | {16384, 32768, 10**6, 2**31}
+    for n in sorted(counts):
+        tier = tiles.tier_for(arch, n)
+        first = next(t for t in tiers if t.max_tokens is None or n <= t.max_tokens)
+        assert tier is first, n
+        s1_cfg, s2_cfg = tiles.stage_configs(arch, "int4" if arch == "gfx942" else "mxfp4",
+                                             num_tokens=n, activation=SITU, **K3)
+        assert s1_cfg.BM == s2_cfg.BM == tier.BM
+    assert tiles.tier_for(arch, bounds[0]) is tiers[0] and tiles.tier_for(arch, bounds[0] + 1) is tiers[1]
+    assert tiles.tier_for(arch, bounds[-1] + 1) is tiers[-1]
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, None])
+def test_token_count_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="num_tokens"):
+        tiles.tier_for("gfx942", bad)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t["gfx942"].__setitem__(-1, {**t["gfx942"][-1], "max_tokens": 99999}), "last tier"),
+    (lambda t: t["gfx942"][0].__setitem__("max_tokens", 4096), "strictly increasing"),
+    (lambda t: t["gfx942"][0]["stage1"].pop("a_lds"), "stage1 must set"),
+    (lambda t: t["gfx950"][1].__setitem__("BM", 128), "BM=128"),
+    (lambda t: t.__setitem__("gfx90a", t["gfx942"]), "gfx90a"),
+])
+def test_bad_tables_are_refused_when_loaded(edit, message):
+    table = copy.deepcopy(raw_table())
+    edit(table)
+    with pytest.raises(ValueError, match=message):
+        tiles.load_table(table)
+
+
+@pytest.mark.parametrize("hidden, inter", [(3584, 384), (7168, 3072), (3584, 768), (256, 128), (384, 256)])
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_tiles_fit_every_shape_the_kernels_can_serve(arch, hidden, inter):
+    fmt = "int4" if arch == "gfx942" else "mxfp4"
+    for n in (1, 129, 2049):
+        c1, c2 = tiles.stage_configs(arch, fmt, hidden=hidden, inter=inter, top_k=8, num_tokens=n, activation=SITU)
+        assert (c1.N, c1.K, c2.N, c2.K) == (inter, hidden, hidden, inter)
+
+
+def test_shapes_the_kernels_cannot_tile_are_refused_by_name():
+    with pytest.raises(ValueError, match="K % 128"):
+        tiles.stage_configs("gfx942", "int4", hidden=3584, inter=192, top_k=8, num_tokens=1, activation=SITU)
+
+
+# ------------------------------------------------------------------ config validation
+@pytest.mark.parametrize("kw, message", [
+    (dict(split_k=2), "split-K on stage 1 would apply the activation to partial K sums"),
+    (dict(stage=2, N=3584, K=384, activation=None, split_k=2), "needs reduce='atomic'"),
+    (dict(stage=2, N=3584, K=384, activation=None, reduce="atomic", split_k=2), "does not divide the 3 K"),
+    (dict(stage=2, N=3584, K=384, activation="silu"), "takes no activation"),
+    (dict(activation="gelu"), "'gelu' is not implemented"),
+    (dict(activation=None), "None is not implemented"),
+    (dict(activation="situv2"), "beta"),
+    (dict(activation="situv2", betas="runtime", beta=4.0), "bakes in no beta"),
+    (dict(weight_format="mxfp4"), "not built for gfx942"),
+    (dict(N=400), "not a multiple of the tile width"),
+    (dict(K=3600), "not a multiple of 128"),
+    (dict(BM=24), "multiple of 16"),
+    (dict(BM=16, a_lds=True, waves=8, n_rep=1), "split evenly"),
+    (dict(has_offsets=True, arch="gfx950", weight_format="mxfp4"), "int4 weights only"),
+    (dict(waves_per_eu=9), "waves_per_eu"),
+])
+def test_invalid_configs_are_refused_when_made(kw, message):
+    with pytest.raises(ValueError, match=message):
+        s1(**kw)
+
+
+def test_valid_split_k_for_the_atomic_stage_2():
+    cfg = KernelConfig("gfx942", 2, "int4", 3584, 384, 16, reduce="atomic", split_k=3)
+    assert cfg.k_iters == 1 and cfg.name.endswith("red_atomic_sk3")
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx1100", "sm_90"])
+def test_unsupported_arch_names_itself_and_the_supported_ones(arch):
+    with pytest.raises(UnsupportedArchError, match=f"{arch}.*gfx942.*gfx950|gfx942.*gfx950.*{arch}"):
+        get_backend("flydsl", arch=arch)
+    with pytest.raises(UnsupportedArchError, match=arch):
+        s1(arch=arch)
+
+
+def test_only_silu_and_situv2_reach_a_kernel():
+    with pytest.raises(ValueError, match="ActivationSpec"):
+        s1().with_activation("gelu")
+    with pytest.raises(ValueError, match="not supported"):
+        ActivationSpec("gelu")
+
+
+# ------------------------------------------------------------------ names = cache identity
+def test_names_carry_activation_and_exact_beta_bits():
+    base = s1()
+    names = {
+        "silu": base.with_activation(SILU).name,
+        "k3": base.with_activation(SITU).name,
+        "other": base.with_activation(ActivationSpec.situv2(2.0, 1.5)).name,
+        "k3 up unchanged": base.with_activation(ActivationSpec.situv2(4.0, None)).name,
+        "one ulp off": base.with_activation(ActivationSpec.situv2(4.000000000000001, 25.0)).name,
+        "runtime": base.with_activation(SITU, betas="runtime").name,
+    }
+    assert len(set(names.values())) == len(names), names
+    assert "situv2_b4010000000000000_lb4039000000000000" in names["k3"]
+    assert names["runtime"].endswith("situv2_rtbeta")
+    # runtime betas: one binary serves every beta pair (they are kernel arguments)
+    assert base.with_activation(SITU, betas="runtime") == base.with_activation(
+        ActivationSpec.situv2(2.0, 1.5), betas="runtime")
+
+
+def test_every_ci_config_has_a_unique_plain_symbol_name():
+    configs = ci_configs()
+    names = [c.name for c in configs]
+    assert len(names) == len(set(names)) == len(configs)
+    assert all(n.isidentifier() for n in names)
+    for arch in ("gfx942", "gfx950"):
+        acts = {c.activation_tag() for c in configs if c.arch == arch and c.stage == 1}
+        assert {"silu", "situv2_rtbeta", SITU.cache_tag(), ActivationSpec.situv2(2.0, 1.5).cache_tag()} <= acts
+
+
+def test_sweep_covers_every_tier_tile():
+    configs = set(ci_configs())
+    for arch, fmt in (("gfx942", "int4"), ("gfx950", "mxfp4")):
+        for tier in tiles.default_table()[arch]:
+            n = tier.max_tokens or 10**6
+            for act in (SILU, SITU):
+                assert set(tiles.stage_configs(arch, fmt, num_tokens=n, activation=act, **K3)) <= configs
+    assert any(c.has_offsets for c in configs if c.arch == "gfx942")

@@ -1,0 +1,115 @@
+"""The shared index/decode arithmetic and the token alignment, on the CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kimi_k3_moe.formats import int4, mxfp4
+from kimi_k3_moe.kernels.flydsl import layout as L
+from kimi_k3_moe.kernels.flydsl.align import align_tokens, padded_rows
+
+
+def test_int4_shift_decode_is_twos_complement_for_every_nibble_and_position(gen):
+    words = torch.randint(-2**31, 2**31, (4096,), dtype=torch.int64, generator=gen).to(torch.int32)
+    words[:2] = torch.tensor([0x76543210, 0xFEDCBA98 - 2**32], dtype=torch.int32)   # all 16 nibble values
+    packed = words.view(torch.uint8).reshape(-1, 4)
+    expected = int4.unpack_signed(packed)                                    # [N, 8]: element t = nibble t
+    got = torch.stack([L.int4_code_shift(words, t) for t in range(8)], dim=1)
+    assert torch.equal(got.to(torch.int8), expected)
+
+
+def test_cvt_off_plan_reads_every_nibble_once_in_element_order():
+    # element t comes from (word >> INT4_CVT_SHIFT[t]), byte INT4_CVT_BYTE[t]: bit position 4t
+    assert [s + 8 * b for s, b in zip(L.INT4_CVT_SHIFT, L.INT4_CVT_BYTE)] == [4 * t for t in range(8)]
+
+
+def test_e2m1_bit_trick_matches_the_mxfp4_table_for_all_16_codes():
+    codes = torch.arange(16, dtype=torch.int32)
+    values = L.e2m1_f32_bits(codes).view(torch.float32) * L.E2M1_BIAS_FIX
+    assert torch.equal(values, mxfp4.e2m1_table())
+
+
+def test_e8m0_bits_are_the_scale_for_normal_bytes():
+    b = torch.arange(1, 255, dtype=torch.int32)
+    assert torch.equal(L.e8m0_f32_bits(b).view(torch.float32), mxfp4.e8m0_to_float(b.to(torch.uint8)))
+
+
+def test_bf16_rne_bits_equal_torchs_rounding_on_finite_floats(gen):
+    x = torch.randn(1 << 16, generator=gen) * torch.exp2(torch.randint(-60, 60, (1 << 16,), generator=gen).float())
+    ties = torch.tensor([1.00390625, 1.01171875, -1.00390625, 3.0e38, -3.0e38, 0.0, -0.0, 1e-40])   # exact ties, huge, denormal
+    x = torch.cat([x, ties])
+    bits = x.view(torch.int32).long() & 0xFFFFFFFF
+    got = (L.bf16_rne_bits(bits) & 0xFFFF).to(torch.int32)
+    want = x.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("beta, lin_beta", [(4.0, 25.0), (2.0, 1.5), (1.0, None)])
+def test_exp2_rcp_activation_matches_tanh_and_sigmoid_everywhere(beta, lin_beta):
+    z = torch.linspace(-300, 300, 120001)
+    g, u = z, z.flip(0)
+    c_up = None if lin_beta is None else L.tanh_coef(lin_beta)
+    got = L.situv2_mul(g, u, beta, L.tanh_coef(beta), lin_beta, c_up, torch.exp2, torch.reciprocal)
+    gd, ud = g.double(), u.double()
+    up = ud if lin_beta is None else lin_beta * torch.tanh(ud / lin_beta)
+    want = beta * torch.tanh(gd / beta) * torch.sigmoid(gd) * up
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max() + 1e-5
+    silu = L.silu_mul(g, u, torch.exp2, torch.reciprocal).double()
+    assert torch.allclose(silu, torch.nn.functional.silu(gd) * ud, rtol=1e-5, atol=1e-4)
+
+
+def test_runtime_beta_select_matches_constant_form():
+    g, u = torch.linspace(-50, 50, 1001), torch.linspace(60, -60, 1001)
+    for lin_beta in (25.0, 0.0):
+        lb = torch.tensor(lin_beta)
+        c = torch.tensor(-2 * L.LOG2E) / lb
+        runtime = L.situv2_mul(g, u, torch.tensor(4.0), L.tanh_coef(4.0), lb, c, torch.exp2, torch.reciprocal,
+                               select=torch.where)
+        const = L.situv2_mul(g, u, 4.0, L.tanh_coef(4.0), lin_beta or None,
+                             L.tanh_coef(lin_beta) if lin_beta else None, torch.exp2, torch.reciprocal)
+        assert torch.allclose(runtime, const, rtol=1e-6, atol=1e-6)
+
+
+def test_lds_staging_covers_each_tile_byte_once_and_reads_stay_inside():
+    for U in (1, 2, 4):
+        for BM in (16, 32, 64):
+            c = torch.arange(BM * 16 * U)
+            row, cc = L.lds_chunk_coords(c, U)
+            offs = L.lds_byte_offset(row, cc * 8, U)
+            assert offs.unique().numel() == c.numel() and int(row.max()) == BM - 1
+            assert int(offs.max()) + 16 <= BM * L.lds_row_bytes(U)
+            assert torch.equal(L.staged_act_byte_offset(row, 0, cc, 128 * U), (row * 128 * U + cc * 8) * 2)
+
+
+# ------------------------------------------------------------------ alignment
+@pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 16, 64, 16), (37, 4, 6, 16), (200, 8, 12, 32),
+                                                             (5, 2, 100, 64)])
+def test_alignment_places_each_local_slot_once_in_its_experts_blocks(gen, tokens, top_k, experts, block_m):
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[torch.rand(ids.shape, generator=gen) < 0.2] = -1                     # slots of other ranks
+    routing = align_tokens(ids, experts, block_m)
+    S = tokens * top_k
+    P = routing.num_rows
+    assert P == padded_rows(S, experts, block_m) and P % block_m == 0
+    slots = routing.sorted_slots.long()
+    real = slots[slots < S]
+    local = ids.reshape(-1) >= 0
+    assert torch.equal(real.sort().values, torch.nonzero(local).flatten())   # each local slot exactly once
+    assert bool((slots[slots >= S] == S).all())                              # padding holds the sentinel
+    block_of_row = torch.arange(P) // block_m
+    owner = routing.block_expert.long()[block_of_row]
+    assert torch.equal(owner[slots < S], ids.reshape(-1)[real])              # rows sit in their expert's blocks
+    used = routing.block_expert >= 0
+    first_unused = int((~used).nonzero()[0]) if bool((~used).any()) else used.numel()
+    assert bool(used[:first_unused].all()) and not bool(used[first_unused:].any())
+    assert bool((routing.block_expert[:first_unused].diff() >= 0).all())     # experts in order
+    # within an expert, slots keep their order (deterministic, stable)
+    for e in range(experts):
+        rows = slots[(owner == e) & (slots < S)]
+        assert bool((rows.diff() > 0).all())
+
+
+def test_alignment_of_a_routing_with_no_local_slot():
+    routing = align_tokens(torch.full((3, 2), -1), 4, 16)
+    assert bool((routing.block_expert == -1).all()) and bool((routing.sorted_slots == 6).all())
