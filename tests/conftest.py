@@ -25,3 +25,9 @@ def seed(request) -> int:
 @pytest.fixture
 def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="session")
+def session_seed() -> int:
+    """For session-scoped data (e.g. a synthetic checkpoint shared by a suite)."""
+    return _BASE_SEED
