@@ -22,9 +22,16 @@ _logged: set[str] = set()
 _lock = threading.Lock()
 
 
-def plugin_enabled(env_var: str, env=None) -> bool:
-    """False when `env_var` (VLLM_PLUGINS / SGLANG_PLUGINS) lists plugins and not ours."""
+def plugin_enabled(env_var: str, env=None, *, verbatim: bool = False) -> bool:
+    """False when `env_var` (VLLM_PLUGINS / SGLANG_PLUGINS) lists plugins and not ours.
+
+    `verbatim` reads the list as vLLM does: set at all (even empty) means a
+    filter, and names are compared unstripped. SGLang treats an empty value
+    as unset and strips names (the default here).
+    """
     value = (os.environ if env is None else env).get(env_var)
+    if verbatim:
+        return value is None or PLUGIN_NAME in value.split(",")
     if value is None or not value.strip():
         return True
     return PLUGIN_NAME in {name.strip() for name in value.split(",")}

@@ -31,7 +31,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    if not plugin_enabled(ENV_PLUGINS):
+    if not plugin_enabled(ENV_PLUGINS, verbatim=True):
         return
     from vllm.model_executor.layers.quantization import register_quantization_config
 
