@@ -28,18 +28,23 @@ class Lines(logging.Handler):
         self.records.append(record)
 
 
-@pytest.fixture(scope="module", params=["2-D scales", "4-D scales"])
+RUNNERS = {"nvidia": "LatentMoERunner", "amd": "ROCmLatentMoERunner"}
+
+
+@pytest.fixture(scope="module", params=[("nvidia", "2-D scales"), ("nvidia", "4-D scales"), ("amd", "2-D scales")],
+                ids=lambda p: f"{p[0]}, {p[1]}")
 def served(request, single_rank, session_seed):
-    """One block per scale layout: (checkpoint, vllm config, block, input, output, recorder, log lines)."""
+    """One block per K3 variant and scale layout:
+    (checkpoint, vllm config, block, input, output, recorder, log lines, variant)."""
     import vllm_k3 as k3
 
     from kimi_k3_moe.plugin_entrypoints import common
 
-    checkpoint = request.getfixturevalue("k3_checkpoint" if request.param == "2-D scales"
-                                         else "k3_checkpoint_4d_scales")
+    variant, scales = request.param
+    checkpoint = request.getfixturevalue("k3_checkpoint" if scales == "2-D scales" else "k3_checkpoint_4d_scales")
     config = k3.make_vllm_config(checkpoint)
-    block = k3.build_block(config)
-    k3.load_block(block, config, checkpoint)
+    block = k3.build_block(config, variant=variant)
+    k3.load_block(block, config, checkpoint, variant)
     # Stands in for the stream handler vLLM's logging config puts on its `vllm` logger.
     lines, vllm_logger = Lines(), logging.getLogger("vllm")
     vllm_logger.addHandler(lines)
@@ -50,7 +55,7 @@ def served(request, single_rank, session_seed):
         vllm_logger.removeHandler(lines)
     recorder = k3.ApplyRecorder(k3.routed_layer(block).quant_method)
     x = torch.randn(TOKENS, k3.HIDDEN, generator=torch.Generator().manual_seed(session_seed)).to(torch.bfloat16)
-    return checkpoint, config, block, x, k3.forward(block, config, x), recorder, lines.records
+    return checkpoint, config, block, x, k3.forward(block, config, x), recorder, lines.records, variant
 
 
 def test_block_gets_our_method_and_vllms_parameters(served):
@@ -58,10 +63,10 @@ def test_block_gets_our_method_and_vllms_parameters(served):
 
     from kimi_k3_moe.plugin_entrypoints._vllm_method import K3RoutedExpertsMethod
 
-    _, _, block, *_ = served
+    _, _, block, *_, variant = served
     layer = k3.routed_layer(block)
     assert type(layer.quant_method) is K3RoutedExpertsMethod
-    assert type(block.experts).__name__ == "LatentMoERunner"
+    assert type(block.experts).__name__ == RUNNERS[variant]
     e, h, i = k3.EXPERTS, k3.LATENT, k3.INTER
     params = {n: (tuple(p.shape), p.dtype) for n, p in layer.named_parameters() if n.startswith("w")}
     assert params == {"w13_weight": ((e, 2 * i, h // 2), torch.uint8),

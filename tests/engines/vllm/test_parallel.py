@@ -2,9 +2,11 @@
 
 Each rank builds vLLM's K3 block from the same checkpoint, loads its share
 through vLLM's loader, and runs the same tokens through vLLM's runner, which
-all-reduces the latent routed partials (LatentMoERunner's sharded tail at
-TP 2). At TP 2 the tiny model's 32 intermediate rows per rank are padded by
-K3 to 256: the test also checks that padding.
+all-reduces the latent routed partials (the sharded up-projection tail of
+LatentMoERunner and ROCmLatentMoERunner at TP 2). Modes: "tp" (CUDA/CPU
+variant of K3's block, TP 2), "ep" (the same with expert parallelism),
+"amd-tp" (the ROCm variant, TP 2). In "tp" the tiny model's 32 intermediate
+rows per rank are padded by K3 to 256: the test also checks that padding.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ SILU = ActivationSpec.silu()
 
 @pytest.fixture(scope="module")
 def two_ranks(k3_checkpoint, tmp_path_factory, session_seed):
-    """{rank: {"tp": ..., "ep": ...}} from two spawned ranks (see vllm_k3.two_rank_worker)."""
+    """{rank: {mode: ...}} from two spawned ranks (see vllm_k3.two_rank_worker)."""
     import torch.multiprocessing as mp
     import vllm_k3 as k3
 
@@ -46,7 +48,10 @@ def _full(k3_checkpoint, call, activation):
                                call["topk_ids"], activation)
 
 
-@pytest.mark.parametrize("mode", ["tp", "ep"])
+MODES = ["tp", "ep", "amd-tp"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_partials_sum_to_the_single_rank_result(two_ranks, k3_checkpoint, mode):
     import vllm_k3 as k3
 
@@ -65,7 +70,7 @@ def test_partials_sum_to_the_single_rank_result(two_ranks, k3_checkpoint, mode):
     assert k3.rel_l2(a["out"], single_out) > 0.1  # a partial alone is not the answer
 
 
-@pytest.mark.parametrize("mode", ["tp", "ep"])
+@pytest.mark.parametrize("mode", MODES)
 def test_block_output_after_vllms_all_reduce(two_ranks, k3_checkpoint, session_seed, mode):
     import vllm_k3 as k3
 

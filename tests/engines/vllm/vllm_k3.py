@@ -2,11 +2,13 @@
 
 What is real here: vLLM's `ModelConfig` / `VllmConfig` read from our synthetic
 checkpoint's config.json (so the quantization config is the one vLLM resolves
-for it), K3's `KimiMoE` block (the variant vLLM picks on CUDA and CPU) built
-through `FusedMoEFactory` with `LatentMoERunner`, the router, the shared
-experts, K3's `KimiLinearModel.load_weights` and `RoutedExperts.weight_loader`
-fed by vLLM's own safetensors iterator, `set_forward_context`, and
-torch.distributed (gloo) for the TP/EP groups.
+for it); K3's `KimiMoE` block in both variants vLLM has (`models/kimi_k3/nvidia`
+with `LatentMoERunner`, which vLLM uses on CUDA and the CPU, and
+`models/kimi_k3/amd` with `ROCmLatentMoERunner`, which it uses on ROCm), built
+through `FusedMoEFactory` with its router and shared experts; K3's
+`KimiLinearModel.load_weights` and `RoutedExperts.weight_loader` fed by vLLM's
+own safetensors iterator; `set_forward_context`; torch.distributed (gloo) for
+the TP/EP groups.
 
 What stands in, and why:
 - `Holder` replaces `KimiLinearModel`: the full model's attention layers need
@@ -81,15 +83,25 @@ def bf16_default():
         torch.set_default_dtype(old)
 
 
-def build_block(vllm_config, text_config=None, prefix: str = f"language_model.model.layers.{LAYER}.block_sparse_moe"):
+PREFIX = f"language_model.model.layers.{LAYER}.block_sparse_moe"
+# vLLM builds K3 from `models/kimi_k3/amd` on ROCm and from `nvidia` on CUDA (and the CPU).
+VARIANTS = ("nvidia", "amd")
+
+
+def build_block(vllm_config, text_config=None, variant: str = "nvidia"):
     """K3's MoE block for `vllm_config`'s model (or `text_config`, to build a mismatching layer)."""
     from vllm.config import set_current_vllm_config
-    from vllm.models.kimi_k3.nvidia.model import KimiMoE
 
     config = text_config if text_config is not None else vllm_config.model_config.hf_text_config
+    quant_config = vllm_config.quant_config
     with set_current_vllm_config(vllm_config), bf16_default():
-        return KimiMoE(config, vllm_config, quant_config=vllm_config.quant_config, prefix=prefix,
-                       layer_idx=LAYER)
+        if variant == "amd":
+            from vllm.models.kimi_k3.amd.linear import KimiMoE
+
+            return KimiMoE(config, quant_config=quant_config, prefix=PREFIX, layer_idx=LAYER)
+        from vllm.models.kimi_k3.nvidia.model import KimiMoE
+
+        return KimiMoE(config, vllm_config, quant_config=quant_config, prefix=PREFIX, layer_idx=LAYER)
 
 
 class Holder(torch.nn.Module):
@@ -101,12 +113,15 @@ class Holder(torch.nn.Module):
         self.layers = torch.nn.ModuleDict({str(LAYER): torch.nn.ModuleDict({"block_sparse_moe": block})})
 
 
-def load_block(block, vllm_config, checkpoint: Path) -> set[str]:
+def load_block(block, vllm_config, checkpoint: Path, variant: str = "nvidia") -> set[str]:
     """vLLM's own loading of `checkpoint` into `block`; returns the parameter names it filled."""
+    import importlib
+
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-    from vllm.models.kimi_k3.nvidia.model import KimiLinearModel
 
+    module = {"nvidia": "vllm.models.kimi_k3.nvidia.model", "amd": "vllm.models.kimi_k3.amd.linear"}[variant]
+    KimiLinearModel = importlib.import_module(module).KimiLinearModel
     holder = Holder(block, vllm_config.model_config.hf_text_config)
     files = sorted(str(p) for p in Path(checkpoint).glob("*.safetensors"))
     weights = ((name[len(CHECKPOINT_PREFIX):], tensor)
@@ -158,15 +173,6 @@ def forward(block, vllm_config, x: torch.Tensor) -> torch.Tensor:
 
     with torch.no_grad(), set_forward_context(None, vllm_config):
         return block(x)
-
-
-def serve_block(checkpoint: Path, vllm_config, x: torch.Tensor, prefix: str | None = None):
-    """Build, load, post-process and run one block; (block, output, recorder)."""
-    block = build_block(vllm_config, **({} if prefix is None else {"prefix": prefix}))
-    load_block(block, vllm_config, checkpoint)
-    process_after_loading(block, vllm_config)
-    recorder = ApplyRecorder(routed_layer(block).quant_method)
-    return block, forward(block, vllm_config, x), recorder
 
 
 # ---- the float64 truth ------------------------------------------------------------------------
@@ -236,6 +242,7 @@ def two_rank_worker(rank: int, port: int, checkpoint: str, out_dir: str, seed: i
     Results go through files: tensors sent back through a multiprocessing queue
     share memory with a process that is about to exit.
     """
+    import copy
     import traceback
 
     try:
@@ -244,13 +251,20 @@ def two_rank_worker(rank: int, port: int, checkpoint: str, out_dir: str, seed: i
         vllm.plugins.load_general_plugins()
         checkpoint_path = Path(checkpoint)
         configs = {"tp": make_vllm_config(checkpoint_path, tp=2),
-                   "ep": make_vllm_config(checkpoint_path, tp=2, ep=True)}
+                   "ep": make_vllm_config(checkpoint_path, tp=2, ep=True),
+                   "amd-tp": make_vllm_config(checkpoint_path, tp=2)}
         init_distributed(configs["tp"], world=2, rank=rank, port=port)
         x = two_rank_tokens(seed)
         result: dict = {"eps": configs["tp"].model_config.hf_text_config.rms_norm_eps}
         for mode, config in configs.items():
-            block = build_block(config)
-            load_block(block, config, checkpoint_path)
+            variant, text = "nvidia", None
+            if mode == "amd-tp":
+                # vLLM 0.33's amd KimiMoE fails whenever it pads I (it looks for
+                # `w13_weight_packed` on the runner): keep the tiny model unpadded.
+                variant, text = "amd", copy.deepcopy(config.model_config.hf_text_config)
+                text.min_moe_intermediate_per_partition = INTER // 2
+            block = build_block(config, text, variant)
+            load_block(block, config, checkpoint_path, variant)
             layer = routed_layer(block)
             loaded = [t.data.clone() for t in (layer.w13_weight, layer.w13_weight_scale, layer.w2_weight,
                                                layer.w2_weight_scale)]
