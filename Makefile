@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/kimi-k3-moe demo
 
-test: test-core test-gsm8k test-flydsl test-sglang
+test: test-core test-gsm8k test-flydsl test-vllm test-sglang
 
 test-core: venv
 	$(PYTEST) tests/core
@@ -72,3 +72,26 @@ test-flydsl: $(FLYDSL_VENV)/.installed $(FLYDSL_ROCM)/llvm/bin/ld.lld
 	KIMI_K3_MOE_FLYDSL_ROCM="$(abspath $(FLYDSL_ROCM))" KIMI_K3_MOE_REQUIRE_FLYDSL=1 \
 	KIMI_K3_MOE_FLYDSL_OUT="$(FLYDSL_OUT)" $(FLYDSL_VENV)/bin/python -m pytest tests/flydsl
 	$(FLYDSL_VENV)/bin/python benchmarks/flydsl_resources.py --summary $(FLYDSL_OUT)/summary.json
+
+# --- vLLM plugin suite: the real vllm wheel in its own venv (~9.4 GB, ~4 min).
+# vLLM picks its torch (2.14, a CUDA build that runs on the CPU); the freeze
+# taken right after is a constraints file, so installing our package can add
+# packages but never change one vLLM installed.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm==0.33.0
+
+.PHONY: venv-vllm test-vllm
+
+venv-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/pip freeze --exclude-editable | grep -v ' @ ' > $(VLLM_VENV)/engine-constraints.txt
+	$(VLLM_VENV)/bin/pip install $(PIP_FLAGS) -c $(VLLM_VENV)/engine-constraints.txt -e ".[test]"
+	touch $@
+
+# VLLM_TARGET_DEVICE=cpu selects vLLM's CPU platform (no GPU here); VLLM_PLUGINS
+# would filter our entry point: the suite sets it itself where it needs it.
+test-vllm: venv-vllm
+	env -u VLLM_PLUGINS VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest tests/engines/vllm

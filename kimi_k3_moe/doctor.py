@@ -15,6 +15,9 @@ from kimi_k3_moe.kernels.base import BackendUnavailable
 
 HELP = "report versions, GPUs, the backend that would serve here, and (with --model) the MoE it would serve"
 OPTIONAL_PACKAGES = ("vllm", "sglang", "triton", "flydsl", "safetensors", "transformers")
+# (package, entry-point group, filter variable, whether the engine reads the filter verbatim)
+ENGINE_PLUGINS = (("vllm", "vllm.general_plugins", "VLLM_PLUGINS", True),
+                  ("sglang", "sglang.srt.plugins", "SGLANG_PLUGINS", False))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +43,26 @@ def _gpus() -> list[str]:
     return rows
 
 
+def _plugin_lines() -> list[str]:
+    """Whether each engine would load our entry point in this environment."""
+    import os
+
+    from kimi_k3_moe.plugin_entrypoints.common import PLUGIN_NAME, plugin_enabled
+
+    lines = []
+    for package, group, env_var, verbatim in ENGINE_PLUGINS:
+        if not any(ep.name == PLUGIN_NAME for ep in md.entry_points(group=group)):
+            state = "entry point not installed"
+        elif not plugin_enabled(env_var, verbatim=verbatim):
+            state = f"off: {env_var}={os.environ[env_var]!r} leaves {PLUGIN_NAME} out"
+        elif _version(package) == "not installed":
+            state = f"entry point {group}:{PLUGIN_NAME} installed; {package} is not"
+        else:
+            state = f"on: {package} loads {group}:{PLUGIN_NAME} in each of its processes"
+        lines.append(f"{package:<7} {state}")
+    return lines
+
+
 def _memory_bytes() -> tuple[int, str]:
     if torch.cuda.is_available():
         total = sum(torch.cuda.get_device_properties(i).total_memory
@@ -54,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"python {sys.version.split()[0]} ({py_platform.machine()}), torch {torch.__version__}")
     for package in OPTIONAL_PACKAGES:
         print(f"  {package:<13} {_version(package)}")
+    print("engine plugins:")
+    for line in _plugin_lines():
+        print("  " + line)
     gpus = _gpus()
     print("GPUs: " + ("none" if not gpus else ""))
     for row in gpus:

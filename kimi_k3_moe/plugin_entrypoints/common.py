@@ -22,9 +22,16 @@ _logged: set[str] = set()
 _lock = threading.Lock()
 
 
-def plugin_enabled(env_var: str, env=None) -> bool:
-    """False when `env_var` (VLLM_PLUGINS / SGLANG_PLUGINS) lists plugins and not ours."""
+def plugin_enabled(env_var: str, env=None, *, verbatim: bool = False) -> bool:
+    """False when `env_var` (VLLM_PLUGINS / SGLANG_PLUGINS) lists plugins and not ours.
+
+    `verbatim` reads the list as vLLM does: set at all (even empty) means a
+    filter, and names are compared unstripped. SGLang treats an empty value
+    as unset and strips names (the default here).
+    """
     value = (os.environ if env is None else env).get(env_var)
+    if verbatim:
+        return value is None or PLUGIN_NAME in value.split(",")
     if value is None or not value.strip():
         return True
     return PLUGIN_NAME in {name.strip() for name in value.split(",")}
@@ -76,3 +83,52 @@ def log_serving_once(engine: str, backend: str, activation: ActivationSpec) -> N
         _logged.add(key)
     logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s",
                 __version__, engine, backend, activation)
+
+
+def converted_source(
+    platform: Any,
+    model_dir: Any,
+    *,
+    layer: int,
+    tp_size: int,
+    tp_rank: int,
+    local_experts: Any,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    device: Any,
+) -> tuple[Any, list, Any] | None:
+    """(this rank's pre-converted int4 experts of `layer`, the plan serving them, the checkpoint).
+
+    Only where the kernels read int4 (gfx942) and a `kimi-k3-moe convert`
+    checkpoint is there ($KIMI_K3_MOE_CONVERTED, or <model>/kimi_k3_moe_int4/);
+    None otherwise, and the engine's MXFP4 experts are converted at load.
+    A converted folder that does not fit this model or server raises
+    ConvertedCheckpointError saying why: it is never skipped silently.
+    `local_experts` are the global ids this rank holds, in local order;
+    `intermediate_size` is the model's full (unsharded, unpadded) size.
+    """
+    from kimi_k3_moe.dispatch import INT4_ARCHS, BackendChoice, plan_backends
+    from kimi_k3_moe.weights.converted import find_converted
+
+    if not platform.is_gpu or platform.arch not in INT4_ARCHS:
+        return None
+    found = find_converted(model_dir, tp_size=tp_size, tp_rank=tp_rank, target=platform.arch,
+                           num_experts=num_experts, hidden_size=hidden_size,
+                           intermediate_size=intermediate_size)
+    if found is None:
+        return None
+    # Every backend of the plan must read the recorded method: methods are never mixed.
+    plan = [BackendChoice(c.name, {**c.options, "int4_method": found.method}, c.reason)
+            for c in plan_backends(platform) if c.options.get("weight_format") == "int4"]
+    if not plan:
+        return None  # KIMI_K3_MOE_BACKEND forced a backend that does not read int4
+    experts = found.load_layer(layer, tp_rank, experts=[int(e) for e in local_experts], device=device)
+    key = f"converted:{found.path}:{os.getpid()}"
+    with _lock:
+        first = key not in _logged
+        _logged.add(key)
+    (logger.info if first else logger.debug)(
+        "kimi-k3-moe: layer %d, TP rank %d/%d: int4 experts (%s) read from the converted checkpoint %s",
+        layer, tp_rank, tp_size, found.method, found.path)
+    return experts, plan, found

@@ -61,3 +61,16 @@ def test_importing_the_package_pulls_in_no_engine_or_compiler():
             "print(sorted(m for m in ('vllm', 'sglang', 'triton', 'flydsl') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_doctor_says_whether_vllm_would_load_the_plugin():
+    import importlib.metadata as md
+    import os
+
+    installed = any(ep.name == "kimi_k3_moe" for ep in md.entry_points(group="vllm.general_plugins"))
+    result = cli("doctor", env={**os.environ, "VLLM_PLUGINS": "other"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "engine plugins:" in result.stdout
+    expected = "vllm    off: VLLM_PLUGINS='other' leaves kimi_k3_moe out" if installed \
+        else "vllm    entry point not installed"
+    assert expected in result.stdout

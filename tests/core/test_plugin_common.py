@@ -16,6 +16,15 @@ def test_plugin_filter():
     assert not common.plugin_enabled("VLLM_PLUGINS", {"VLLM_PLUGINS": "other"})
 
 
+def test_plugin_filter_read_as_vllm_does():
+    """vLLM: set (even empty) filters, names unstripped (`envs.VLLM_PLUGINS` is value.split(","))."""
+    def enabled(env):
+        return common.plugin_enabled("VLLM_PLUGINS", env, verbatim=True)
+
+    assert enabled({}) and enabled({"VLLM_PLUGINS": "other,kimi_k3_moe"})
+    assert not enabled({"VLLM_PLUGINS": ""}) and not enabled({"VLLM_PLUGINS": "other, kimi_k3_moe"})
+
+
 class FakeEnum:  # stands in for an engine's activation enum member (only .value is read)
     value = "situ"
 

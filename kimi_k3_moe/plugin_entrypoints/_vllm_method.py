@@ -1,0 +1,302 @@
+"""The vLLM MoE method for Kimi-K3's routed experts (imported by `register()`).
+
+vLLM's side of the contract (0.33.0):
+- `Mxfp4Config.get_quant_method` asks `_make_moe_method(moe)` for each
+  `RoutedExperts` layer while the model is built. `moe` (FusedMoEConfig)
+  carries the activation and the SiTU betas that K3's `KimiMoE` read from the
+  HF config; they are checked against the model's config.json right there,
+  so a mismatch stops the load before any weight is read.
+- `create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
+  params_dtype, weight_loader=..., unpadded_hidden_size=..., global_num_experts=...)`:
+  E is this rank's experts (EP), I this rank's slice (TP). The parameters are
+  the ones vLLM's loader fills: `w13_weight` uint8 [E, 2I, H/2] (gate rows
+  first), `w13_weight_scale` uint8 [E, 2I, H/32], `w2_weight` [E, H, I/2],
+  `w2_weight_scale` [E, H, I/32]; scales carry `quant_method="block"`, which
+  makes `RoutedExperts.weight_loader` narrow them like their weights.
+- At TP > 1 K3 pads I per rank up to `min_moe_intermediate_per_partition`
+  (256) and leaves the padding as the method created it: the parameters
+  start as zeros, so padded rows and columns hold zero codes and decode to 0.
+  The prepared layer drops the padding when it is a whole number of MXFP4
+  blocks (the unpadded size comes from `moe.intermediate_size_per_partition_unpadded`).
+- `process_weights_after_loading` hands the bytes to `RoutedExperts` (backend
+  plan for the platform, self-check on a slice, prepare). On gfx942 a
+  pre-converted int4 checkpoint, when there is one, supplies the experts
+  instead. The engine's MXFP4 parameters are released when the prepared form
+  no longer reads them.
+- `apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)`
+  (keywords) gets vLLM's top-k with global expert ids and `layer.expert_map`
+  (global -> local, -1 elsewhere) under EP; it returns this rank's partial sum
+  in x's dtype. The runner runs the shared experts and does the all-reduce.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config, Mxfp4MoEMethod
+from vllm.model_executor.utils import set_weight_attrs
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.configs.hf_dict import load_config_dict, text_config
+from kimi_k3_moe.dispatch import detect_platform
+from kimi_k3_moe.formats import mxfp4
+from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.plugin_entrypoints.common import (
+    converted_source,
+    engine_activation,
+    is_situ,
+    log_serving_once,
+    verify_against_hf,
+)
+from kimi_k3_moe.routed_experts import RoutedExperts
+
+logger = logging.getLogger("kimi_k3_moe")
+
+ENGINE = "vllm"
+BLOCK_SCALE = "block"  # RoutedExperts.weight_loader: scale sharded like its weight
+
+# (name, shape as a function of E, H, I, is a scale)
+PARAMS = (
+    ("w13_weight", lambda e, h, i: (e, 2 * i, h // 2), False),
+    ("w13_weight_scale", lambda e, h, i: (e, 2 * i, h // mxfp4.BLOCK_SIZE), True),
+    ("w2_weight", lambda e, h, i: (e, h, i // 2), False),
+    ("w2_weight_scale", lambda e, h, i: (e, h, i // mxfp4.BLOCK_SIZE), True),
+)
+
+
+class UnsupportedVllmSetup(RuntimeError):
+    """A vLLM option, layer property or model config this plugin cannot serve; the message names it."""
+
+
+class K3Mxfp4Config(Mxfp4Config):
+    """vLLM's MXFP4 config with SiTU MoE layers served by kimi-k3-moe."""
+
+    def _make_moe_method(self, moe: Any) -> FusedMoEMethodBase:
+        if is_situ(moe.activation):
+            return K3RoutedExpertsMethod.for_moe(moe)
+        refuse_activation_mismatch(moe)
+        return super()._make_moe_method(moe)
+
+
+def model_config() -> Any:
+    """vLLM's ModelConfig of the model being built in this process (None outside a model build)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return getattr(get_current_vllm_config_or_none(), "model_config", None)
+
+
+def refuse_activation_mismatch(moe: Any) -> None:
+    """A non-SiTU layer goes to vLLM's own method, unless the model's config says SiTU.
+
+    That would mean vLLM built the layer with another function than the model
+    was trained with; handing it on would serve that function silently.
+    """
+    config = model_config()
+    if config is None:
+        return
+    try:
+        hidden_act = text_config(load_config_dict(config.hf_config)).get("hidden_act")
+    except ValueError:
+        return  # not a config we can read: not ours to judge
+    if is_situ(hidden_act):
+        raise UnsupportedVllmSetup(
+            f"kimi-k3-moe: vLLM built a MoE layer with activation {moe.activation!r}, but the model's "
+            f"config.json says hidden_act={hidden_act!r}; refusing to serve a different function")
+
+
+class K3RoutedExpertsMethod(FusedMoEMethodBase):
+    """Kimi-K3's routed experts (MXFP4 weights, SiTUv2) on kimi-k3-moe's backends."""
+
+    def __init__(self, moe: Any, activation: ActivationSpec, model: str | None = None,
+                 revision: str | None = None):
+        super().__init__(moe)
+        self.activation = activation
+        self.model, self.revision = model, revision
+        self.routed: RoutedExperts | None = None
+        self.layer_name = ""
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def for_moe(cls, moe: Any) -> "K3RoutedExpertsMethod":
+        where = "kimi-k3-moe (vLLM MoE layer)"
+        try:
+            activation = engine_activation(moe.activation, moe.activation_situ_beta,
+                                           moe.activation_situ_linear_beta)
+        except ValueError as exc:
+            raise UnsupportedVllmSetup(
+                f"{where}: activation {moe.activation!r} with activation_situ_beta="
+                f"{moe.activation_situ_beta!r}, activation_situ_linear_beta="
+                f"{moe.activation_situ_linear_beta!r}: {exc}") from exc
+        config = model_config()
+        if config is None:
+            raise UnsupportedVllmSetup(
+                f"{where}: no vLLM ModelConfig in this process to cross-check the SiTU betas "
+                "against the model's config.json; build the model through vLLM's model loader")
+        activation = verify_against_hf(activation, config.hf_config, where)
+        if moe.has_bias:
+            raise UnsupportedVllmSetup(f"{where}: expert biases (has_bias=True) are not supported; "
+                                       "Kimi-K3's routed experts have none")
+        return cls(moe, activation, config.model, getattr(config, "revision", None))
+
+    # ---- weights ---------------------------------------------------------------------------
+    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
+                       **extra_weight_attrs: Any) -> None:
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        extra_weight_attrs.pop("unpadded_hidden_size", None)
+        extra_weight_attrs.pop("global_num_experts", None)
+        self.layer_name = getattr(layer, "layer_name", "")
+        where = f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r})"
+        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        if h % mxfp4.BLOCK_SIZE or i % mxfp4.BLOCK_SIZE:
+            raise UnsupportedVllmSetup(
+                f"{where}: hidden size {h} and per-rank intermediate size {i} must be multiples of the "
+                f"MXFP4 block ({mxfp4.BLOCK_SIZE}); choose a tensor-parallel size that splits "
+                "moe_intermediate_size into such slices")
+        if getattr(layer, "apply_router_weight_on_input", False):
+            raise UnsupportedVllmSetup(f"{where}: apply_router_weight_on_input=True is not supported")
+        scale_loader = _scale_loader(weight_loader)
+        self._shapes = {name: shape(e, h, i) for name, shape, _ in PARAMS}
+        for name, _, is_scale in PARAMS:
+            # Zeros, not empty: K3's padding of I is left as created, and zero
+            # codes decode to 0 under any scale.
+            param = torch.nn.Parameter(torch.zeros(self._shapes[name], dtype=torch.uint8),
+                                       requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, extra_weight_attrs)
+            set_weight_attrs(param, {"weight_loader": scale_loader if is_scale else weight_loader})
+            if is_scale:
+                param.quant_method = BLOCK_SCALE
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+        return None  # no vLLM modular kernel: apply() runs the whole layer
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if layer.w13_weight.numel() == 0:
+            if self.routed is None:
+                raise RuntimeError(f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): parameters are "
+                                   "empty but the layer was never prepared")
+            return  # prepared before; the MXFP4 parameters were released then
+        loaded = ExpertWeights(layer.w13_weight.data, layer.w13_weight_scale.data,
+                               layer.w2_weight.data, layer.w2_weight_scale.data)
+        experts = unpad_intermediate(loaded, self.moe.intermediate_size_per_partition_unpadded)
+        platform = detect_platform()
+        source, plan = experts, None
+        converted = self._converted(layer, platform, experts)
+        if converted is not None:
+            source, plan, _ = converted
+        routed = RoutedExperts(self.activation, platform=platform, plan=plan, layer_name=self.layer_name)
+        routed.load(source)
+        self.routed = routed
+        if not routed.holds_source(loaded):
+            self._release(layer)
+        log_serving_once(ENGINE, routed.backend.describe(), self.activation)
+
+    def _converted(self, layer: torch.nn.Module, platform: Any, experts: ExpertWeights):
+        moe = self.moe
+        return converted_source(
+            platform, _local_model_dir(self.model, self.revision), layer=layer_index(self.layer_name),
+            tp_size=moe.tp_size, tp_rank=moe.tp_rank, local_experts=local_expert_ids(layer),
+            num_experts=moe.num_experts, hidden_size=experts.hidden_size,
+            intermediate_size=experts.intermediate_size * moe.tp_size, device=experts.device)
+
+    def _release(self, layer: torch.nn.Module) -> None:
+        # The backend holds its own copy (int4, a kernel layout, or the unpadded
+        # experts): drop the checkpoint bytes so the layer holds one copy.
+        device = layer.w13_weight.device
+        for name in self._shapes:
+            getattr(layer, name).data = torch.empty(0, dtype=torch.uint8, device=device)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, shared_experts: Any, shared_experts_input: torch.Tensor | None
+              ) -> torch.Tensor:
+        routed = self.routed
+        if routed is None:
+            raise RuntimeError(f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): apply() before "
+                               "process_weights_after_loading()")
+        if routed.backend.name == "torch" and torch.cuda.is_available() \
+                and torch.cuda.is_current_stream_capturing():
+            # vLLM captures decode batches in CUDA graphs; the torch backend picks
+            # experts with host round trips, which a capture forbids.
+            raise UnsupportedVllmSetup(
+                f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): the layer is served by the torch "
+                "fallback backend, which cannot run inside a CUDA graph capture; see the log for why "
+                "the GPU backend was refused, or start vLLM with --enforce-eager")
+        # The shared experts are the runner's (it calls them and adds their output).
+        return routed(x, topk_weights, topk_ids, layer.expert_map)
+
+
+def _scale_loader(weight_loader):
+    """vLLM's MXFP4 scale loader (e8m0 or float scales -> uint8 bytes), taking 4-D scales too.
+
+    Some exports store a scale as [N, 1, K/32, 1]; vLLM's loader knows 2-D
+    (one expert) and 3-D (all experts) only.
+    """
+    inner = Mxfp4MoEMethod.get_scale_weight_loader(weight_loader)
+
+    def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        if loaded_weight.dim() == 4:
+            if loaded_weight.shape[1] != 1 or loaded_weight.shape[3] != 1:
+                raise ValueError(f"{weight_name}: a 4-D scale must be [N, 1, K/32, 1], got "
+                                 f"{tuple(loaded_weight.shape)}")
+            loaded_weight = loaded_weight[:, 0, :, 0]
+        return inner(param, loaded_weight, weight_name, shard_id, expert_id,
+                     return_success=return_success)
+
+    return load
+
+
+def unpad_intermediate(experts: ExpertWeights, unpadded: int | None) -> ExpertWeights:
+    """The experts without K3's intermediate padding (copies), or `experts` itself when unpadded.
+
+    Padding keeps whole MXFP4 blocks only when the real size is a multiple
+    of 32; otherwise the zero padding stays (it contributes nothing: SiTUv2
+    and SiLU are 0 at 0, and zero w2 columns add 0).
+    """
+    i = experts.intermediate_size
+    if unpadded is None or unpadded >= i or unpadded % mxfp4.BLOCK_SIZE:
+        return experts
+    if unpadded <= 0:
+        raise ValueError(f"intermediate_size_per_partition_unpadded={unpadded} must be > 0")
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[:, :unpadded], t[:, i:i + unpadded]], dim=1)
+
+    return ExpertWeights(rows(experts.w13_packed), rows(experts.w13_scale),
+                         experts.w2_packed[:, :, :unpadded // 2].clone(),
+                         experts.w2_scale[:, :, :unpadded // mxfp4.BLOCK_SIZE].clone())
+
+
+def layer_index(layer_name: str) -> int:
+    match = re.search(r"layers\.(\d+)\.", layer_name)
+    if match is None:
+        raise ValueError(f"cannot tell the layer number from the MoE layer name {layer_name!r}")
+    return int(match.group(1))
+
+
+def local_expert_ids(layer: torch.nn.Module) -> list[int]:
+    """Global ids of this rank's experts, in local order."""
+    expert_map = layer.expert_map
+    if expert_map is None:
+        return list(range(layer.local_num_experts))
+    expert_map = expert_map.cpu()
+    held = torch.nonzero(expert_map >= 0).flatten()
+    return held[torch.argsort(expert_map[held])].tolist()
+
+
+def _local_model_dir(model: str | None, revision: str | None) -> str | None:
+    """The model's folder: the path vLLM was given, or its Hugging Face cache snapshot."""
+    if model is None or os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision, local_files_only=True, allow_patterns=["*.json"])
+    except Exception as exc:  # not cached, or not a hub id: only $KIMI_K3_MOE_CONVERTED can name a folder
+        logger.debug("kimi-k3-moe: no local folder for model %r (%s)", model, exc)
+        return None
