@@ -113,3 +113,19 @@ def requantize_experts(
                              chunk_bytes=chunk_bytes, progress=bar.update, device=compute,
                              out_device=out)
     return Int4Experts(w13, w2)
+
+
+def int4_experts_for(experts: ExpertWeights | Int4Experts, method: str, backend: str) -> Int4Experts:
+    """What an int4 backend runs: `experts` converted with `method`, or pre-converted ones.
+
+    Pre-converted experts (a `kimi-k3-moe convert` checkpoint) are taken only
+    when their method is the backend's: methods are never mixed silently.
+    """
+    if isinstance(experts, Int4Experts):
+        if experts.method != method:
+            raise ValueError(f"{backend}: pre-converted experts use int4 method {experts.method!r}, "
+                             f"but this backend is configured for {method!r}")
+        return experts
+    if not isinstance(experts, ExpertWeights):
+        raise TypeError(f"{backend}: expected ExpertWeights or Int4Experts, got {type(experts).__name__}")
+    return requantize_experts(experts, method=method)

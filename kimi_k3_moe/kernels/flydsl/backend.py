@@ -21,7 +21,8 @@ from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.config import (BETA_MODES, REDUCTIONS, WEIGHT_FORMATS, KernelConfig,
                                                check_arch)
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
-from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+from kimi_k3_moe.formats import int4
+from kimi_k3_moe.weights.requant import Int4Experts, int4_experts_for
 
 DEFAULT_FORMAT = {"gfx942": "int4", "gfx950": "mxfp4"}
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
@@ -38,7 +39,7 @@ def detect_arch(device: int = 0) -> str | None:
 class FlyDSLBackend(MoEBackend):
     name = "flydsl"
 
-    def __init__(self, arch: str | None = None, weight_format: str | None = None, *, int4_method: str = "amax",
+    def __init__(self, arch: str | None = None, weight_format: str | None = None, *, int4_method: str = int4.DEFAULT_METHOD,
                  betas: str = "const", reduce: str = "slots", device: int = 0):
         self.device_index = device
         self.arch = check_arch(arch) if arch is not None else detect_arch(device)
@@ -51,6 +52,8 @@ class FlyDSLBackend(MoEBackend):
             raise ValueError(f"flydsl: betas {betas!r} not in {BETA_MODES}")
         if reduce not in REDUCTIONS:
             raise ValueError(f"flydsl: reduce {reduce!r} not in {REDUCTIONS}")
+        if int4_method not in int4.METHODS:
+            raise ValueError(f"flydsl: int4_method {int4_method!r} not in {int4.METHODS}")
         self.weight_format = fmt
         self.int4_method = int4_method
         self.betas = betas
@@ -101,13 +104,12 @@ class FlyDSLBackend(MoEBackend):
             raise BackendUnavailable("flydsl: no arch given and no AMD GPU detected")
         if isinstance(experts, FlyDSLExperts):
             prepared = experts
-        elif isinstance(experts, Int4Experts):
-            prepared = FlyDSLExperts.from_int4(experts)
+        elif isinstance(experts, Int4Experts) and self.weight_format != "int4":
+            raise ValueError(f"flydsl[{self.arch}] runs {self.weight_format} weights; got int4")
+        elif isinstance(experts, (ExpertWeights, Int4Experts)) and self.weight_format == "int4":
+            prepared = FlyDSLExperts.from_int4(int4_experts_for(experts, self.int4_method, "flydsl"))
         elif isinstance(experts, ExpertWeights):
-            if self.weight_format == "int4":
-                prepared = FlyDSLExperts.from_int4(requantize_experts(experts, method=self.int4_method))
-            else:
-                prepared = FlyDSLExperts.from_mxfp4(experts)
+            prepared = FlyDSLExperts.from_mxfp4(experts)
         else:
             raise TypeError(f"flydsl.prepare takes ExpertWeights, Int4Experts or FlyDSLExperts, "
                             f"got {type(experts).__name__}")

@@ -12,7 +12,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.base import ExpertWeights, MoEBackend
 from kimi_k3_moe.reference import dense_moe
-from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+from kimi_k3_moe.weights.requant import Int4Experts, int4_experts_for
 
 WEIGHT_FORMATS = ("mxfp4", "int4")
 
@@ -45,19 +45,14 @@ class TorchBackend(MoEBackend):
         as they are only for weight_format="int4" and only when their method
         is this backend's `int4_method`: methods are never mixed silently.
         """
-        if isinstance(experts, Int4Experts):
-            if self.weight_format != "int4":
-                raise ValueError(f"torch backend with weight_format={self.weight_format!r} was given "
-                                 "int4 experts; it needs the MXFP4 ones")
-            if experts.method != self.int4_method:
-                raise ValueError(f"pre-converted experts use int4 method {experts.method!r}, but this "
-                                 f"backend is configured for {self.int4_method!r}")
-            return experts
-        if not isinstance(experts, ExpertWeights):
-            raise TypeError(f"torch backend: prepare() takes ExpertWeights or Int4Experts, "
-                            f"got {type(experts).__name__}")
         if self.weight_format == "int4":
-            return requantize_experts(experts, method=self.int4_method)
+            return int4_experts_for(experts, self.int4_method, "torch backend")
+        if isinstance(experts, Int4Experts):
+            raise ValueError(f"torch backend with weight_format={self.weight_format!r} was given "
+                             "int4 experts; it needs the MXFP4 ones")
+        if not isinstance(experts, ExpertWeights):
+            raise TypeError(f"torch backend with weight_format={self.weight_format!r} needs MXFP4 "
+                            f"ExpertWeights, got {type(experts).__name__}")
         return experts
 
     def dequantize_prepared(self, prepared, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
