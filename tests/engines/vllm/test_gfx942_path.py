@@ -58,7 +58,7 @@ def _check_against_reference(prepared, call):
 def test_preconverted_int4_checkpoint_is_used(single_rank, on_gfx942, tmp_path, seed, monkeypatch):
     import vllm_k3 as k3
 
-    from kimi_k3_moe.kernels.torch import backend as torch_backend
+    from kimi_k3_moe.weights import requant
     from kimi_k3_moe.weights.converted import CONVERTED_DIRNAME, convert_checkpoint
 
     checkpoint = k3.write_checkpoint(tmp_path / "model", seed)
@@ -68,7 +68,7 @@ def test_preconverted_int4_checkpoint_is_used(single_rank, on_gfx942, tmp_path, 
     def no_conversion(*args, **kwargs):
         raise AssertionError("the experts were converted again instead of read from the converted checkpoint")
 
-    monkeypatch.setattr(torch_backend, "requantize_experts", no_conversion)
+    monkeypatch.setattr(requant, "requantize_experts", no_conversion)
     layer, call = _serve(checkpoint, seed)
     routed = layer.quant_method.routed
     assert routed.backend.describe() == f"torch[int4/{found.method}]"
