@@ -134,12 +134,18 @@ class TritonBackend(MoEBackend):
 
     def forward(self, prepared: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, activation: ActivationSpec,
-                expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                expert_map: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out` ([T, H], hidden's dtype), when given, receives the result (every element is written)."""
         if not isinstance(prepared, TritonExperts):
             raise TypeError(f"triton backend: forward() needs prepare()'s result, got {type(prepared).__name__}")
         hidden, topk_weights, topk_ids, expert_map = self._check_inputs(
             prepared, hidden, topk_weights, topk_ids, expert_map)
-        out = torch.empty_like(hidden)
+        if out is None:
+            out = torch.empty_like(hidden)
+        elif out.shape != hidden.shape or out.dtype != hidden.dtype or out.device != hidden.device \
+                or out.stride(-1) != 1:
+            raise ValueError(f"out must be a row-major {tuple(hidden.shape)} {hidden.dtype} tensor on "
+                             f"{hidden.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
         for start in range(0, hidden.shape[0], self.chunk_tokens):
             stop = min(hidden.shape[0], start + self.chunk_tokens)
             for launch in self.plan(prepared, hidden[start:stop], topk_weights[start:stop],

@@ -25,6 +25,61 @@ FMT_INT4 = tl.constexpr(C.FMT_INT4)
 DECODE_BITS = tl.constexpr(C.DECODE_BITS)
 DECODE_PTX = tl.constexpr(C.DECODE_PTX)
 
+# One 32-bit word of the word layout (input $4) -> four bf16x2 registers $0..$3
+# holding (v0,v1) (v2,v3) (v4,v5) (v6,v7). tests/triton/test_layout.py runs these
+# strings through a small PTX emulator. All reads of $4 come before the first
+# write of an output (an output may share $4's register).
+E2M1_PAIRS_PTX = tl.constexpr("""
+        {
+        .reg .b32 a, b, c, d, e, m0, m1, m2, m3, s0, s1, s2, s3, bias, nz;
+        mov.b32 bias, 0x7E807E80;
+        mov.b32 nz, 0x80008000;
+        shl.b32 a, $4, 6;
+        shl.b32 b, $4, 3;
+        shl.b32 c, $4, 2;
+        shl.b32 d, $4, 1;
+        shr.u32 e, $4, 3;
+        and.b32 m2, $4, 0x01C001C0;
+        and.b32 s3, $4, 0x80008000;
+        and.b32 m0, a, 0x01C001C0;
+        and.b32 s0, b, 0x80008000;
+        and.b32 m1, b, 0x01C001C0;
+        and.b32 s1, c, 0x80008000;
+        and.b32 s2, d, 0x80008000;
+        and.b32 m3, e, 0x01C001C0;
+        or.b32 m0, m0, s0;
+        or.b32 m1, m1, s1;
+        or.b32 m2, m2, s2;
+        or.b32 m3, m3, s3;
+        fma.rn.bf16x2 $0, m0, bias, nz;
+        fma.rn.bf16x2 $1, m1, bias, nz;
+        fma.rn.bf16x2 $2, m2, bias, nz;
+        fma.rn.bf16x2 $3, m3, bias, nz;
+        }
+        """)
+INT4_PAIRS_PTX = tl.constexpr("""
+        {
+        .reg .b32 a, b, c, d, one, off;
+        mov.b32 one, 0x3F803F80;
+        mov.b32 off, 0xC308C308;
+        and.b32 a, $4, 0x000F000F;
+        shr.u32 b, $4, 4;
+        shr.u32 c, $4, 8;
+        shr.u32 d, $4, 12;
+        and.b32 b, b, 0x000F000F;
+        and.b32 c, c, 0x000F000F;
+        and.b32 d, d, 0x000F000F;
+        xor.b32 a, a, 0x43084308;
+        xor.b32 b, b, 0x43084308;
+        xor.b32 c, c, 0x43084308;
+        xor.b32 d, d, 0x43084308;
+        fma.rn.bf16x2 $0, a, one, off;
+        fma.rn.bf16x2 $1, b, one, off;
+        fma.rn.bf16x2 $2, c, one, off;
+        fma.rn.bf16x2 $3, d, one, off;
+        }
+        """)
+
 
 @triton.jit
 def word_k_offsets(BLOCK_K: tl.constexpr):
@@ -71,34 +126,7 @@ def _ptx_e2m1_pairs(raw):
     # codes 0/1) and one bf16x2 FMA by 2^126 (with -0 addend) fixes the exponent.
     # All reads of $4 happen before the first write of an output register.
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 a, b, c, d, e, m0, m1, m2, m3, s0, s1, s2, s3, bias, nz;
-        mov.b32 bias, 0x7E807E80;
-        mov.b32 nz, 0x80008000;
-        shl.b32 a, $4, 6;
-        shl.b32 b, $4, 3;
-        shl.b32 c, $4, 2;
-        shl.b32 d, $4, 1;
-        shr.u32 e, $4, 3;
-        and.b32 m2, $4, 0x01C001C0;
-        and.b32 s3, $4, 0x80008000;
-        and.b32 m0, a, 0x01C001C0;
-        and.b32 s0, b, 0x80008000;
-        and.b32 m1, b, 0x01C001C0;
-        and.b32 s1, c, 0x80008000;
-        and.b32 s2, d, 0x80008000;
-        and.b32 m3, e, 0x01C001C0;
-        or.b32 m0, m0, s0;
-        or.b32 m1, m1, s1;
-        or.b32 m2, m2, s2;
-        or.b32 m3, m3, s3;
-        fma.rn.bf16x2 $0, m0, bias, nz;
-        fma.rn.bf16x2 $1, m1, bias, nz;
-        fma.rn.bf16x2 $2, m2, bias, nz;
-        fma.rn.bf16x2 $3, m3, bias, nz;
-        }
-        """,
+        asm=E2M1_PAIRS_PTX,
         constraints="=r,=r,=r,=r,r",
         args=[raw],
         dtype=(tl.bfloat16, tl.bfloat16),
@@ -112,28 +140,7 @@ def _ptx_int4_pairs(raw):
     # Nibble n of a pair -> bf16 0x4300 | (n ^ 8) = 136 + q exactly, then an FMA
     # subtracts 136: q in [-8, 7] as bf16 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7).
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 a, b, c, d, one, off;
-        mov.b32 one, 0x3F803F80;
-        mov.b32 off, 0xC308C308;
-        and.b32 a, $4, 0x000F000F;
-        shr.u32 b, $4, 4;
-        shr.u32 c, $4, 8;
-        shr.u32 d, $4, 12;
-        and.b32 b, b, 0x000F000F;
-        and.b32 c, c, 0x000F000F;
-        and.b32 d, d, 0x000F000F;
-        xor.b32 a, a, 0x43084308;
-        xor.b32 b, b, 0x43084308;
-        xor.b32 c, c, 0x43084308;
-        xor.b32 d, d, 0x43084308;
-        fma.rn.bf16x2 $0, a, one, off;
-        fma.rn.bf16x2 $1, b, one, off;
-        fma.rn.bf16x2 $2, c, one, off;
-        fma.rn.bf16x2 $3, d, one, off;
-        }
-        """,
+        asm=INT4_PAIRS_PTX,
         constraints="=r,=r,=r,=r,r",
         args=[raw],
         dtype=(tl.bfloat16, tl.bfloat16),
