@@ -41,15 +41,17 @@ SITU = ActivationSpec.situv2(4.0, 25.0)
 
 
 class Checker:
-    def __init__(self):
+    def __init__(self, path, header):
         self.rows = []
         self.failures = []
+        self.path, self.header = path, header
 
     def record(self, ok: bool, **row):
         row["ok"] = bool(ok)
         self.rows.append(row)
         if not ok:
             self.failures.append(row)
+        write_json(self.path, {**self.header, "rows": self.rows, "failures": len(self.failures)})
         log(("PASS" if ok else "FAIL"), {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()
                                          if k != "ok"})
 
@@ -98,7 +100,7 @@ def main() -> int:
     info = env_info()
     log("check_gpu", info, "seed", args.seed)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
-    chk = Checker()
+    chk = Checker(args.out, {"info": info, "seed": args.seed, "tolerance": TOLERANCE, "shape": shape})
 
     experts = random_experts(e, h, i, dev, gen)
     backends = {"mxfp4": get_backend("triton", weight_format="mxfp4"),
@@ -242,8 +244,6 @@ def main() -> int:
         torch.cuda.synchronize()
         chk.record(torch.equal(out, eager), check="cuda_graph", tokens=t)
 
-    write_json(args.out, {"info": info, "seed": args.seed, "tolerance": TOLERANCE, "rows": chk.rows,
-                          "failures": len(chk.failures)})
     log(f"{len(chk.rows) - len(chk.failures)}/{len(chk.rows)} checks passed; results in {args.out}")
     return 1 if chk.failures else 0
 

@@ -93,7 +93,7 @@ def candidates(tier: int, hidden: int, inter: int):
         s1 = [replace(base, stage1=kc(c, sw)) for c, sw in product(ALIGNED_S1, swaps(bm))]
         s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2, swaps(bm))]
         s2 += [replace(base, stage2=kc((bn, 64, w, s), sw)) for (bn, bk, w, s), sw in product(ALIGNED_S2, swaps(bm))
-               if bk == 128]
+               if bk == 128 and bn >= 128 and w == 8]
         out[("aligned", bm)] = ([c for c in s1 if valid(c, hidden, inter)],
                                 list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter))), base)
     return out
@@ -113,7 +113,7 @@ class Entry:
         for tier in tiers:
             for (path, bm), (s1, s2, base) in candidates(tier, self.h, self.i).items():
                 for cfg in [base, *s1, *s2]:
-                    out.append(Recipe(self.fmt, self.e, self.h, self.i, tier, TOPK,
+                    out.append(Recipe(self.fmt, self.e, self.h, self.i, 64, TOPK,
                                       (ACT.name, ACT.beta, ACT.linear_beta), json.dumps(cfg.to_json(), sort_keys=True)))
         return list(dict.fromkeys(out))
 
@@ -130,7 +130,8 @@ def run_plan(launches):
     return results
 
 
-def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, reps: int, log_rows: list):
+def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, reps: int, log_rows: list,
+               save=lambda chosen: None):
     experts = random_experts(entry.e, entry.h, entry.i, "cuda", gen)
     backend = get_backend("triton", weight_format=entry.fmt)
     prepared = backend.prepare(requantize_experts(experts, progress=False) if entry.fmt == "int4" else experts)
@@ -209,6 +210,7 @@ def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, re
                              "finalists": [{"path": c.path, "block_m": c.block_m, "us": round(t, 2)}
                                            for t, c, _, _ in finalists]}
         log(entry.key, f"T={tier}", "->", cfg.path, cfg.block_m, f"{total:.1f} us (bits decode: {bits_us})")
+        save(chosen)
     return {"tiers": chosen}
 
 
@@ -251,7 +253,18 @@ def main() -> int:
         t0 = time.time()
         errors = [e for e in job.get() if e]
         log(f"{entry.key}: candidates compiled (waited {time.time() - t0:.1f} s, {len(errors)} errors)")
-        table["entries"][entry.key] = tune_entry(entry, tiers, deadline, timer, gen, args.reps, rows)
+        def save(chosen, key=entry.key):
+            # partial progress: tuned tiers so far, the heuristic for the rest (marked)
+            tiers_now = dict(chosen)
+            for t in tiers:
+                if str(t) not in tiers_now:
+                    cfg = tt.heuristic_config(SHAPES[entry.shape_name]["hidden"], SHAPES[entry.shape_name]["inter"],
+                                              t, is_cuda=True)
+                    tiers_now[str(t)] = {**cfg.to_json(), "tuned": False, "note": "not reached"}
+            table["entries"][key] = {"tiers": tiers_now}
+            write_json(out_path, table)
+            write_json(args.log, rows)
+        table["entries"][entry.key] = tune_entry(entry, tiers, deadline, timer, gen, args.reps, rows, save)
         table["entries"][entry.key]["seconds"] = round(time.time() - t0, 1)
         write_json(out_path, table)
         write_json(args.log, rows)
