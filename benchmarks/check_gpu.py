@@ -143,7 +143,7 @@ def main() -> int:
     def variants(t):
         """(label, backend options) to run at t tokens."""
         out = [("default", {})]
-        if dev == "cuda":
+        if dev == "cuda" and t in (3, 257):
             out.append(("default/bits", {"decode": "bits"}))
         if t <= 16:
             out.append(("aligned-bm16", {"config": replace(heuristic_config(h, i, 64, is_cuda=dev == "cuda"),

@@ -37,14 +37,15 @@ TOPK = 16
 ACT = ActivationSpec.situv2(4.0, 25.0)
 GEMV_MAX_TOKENS = 16
 
-GEMV_S1 = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 512, 8, 3), (16, 256, 4, 4),
-           (32, 256, 8, 4), (64, 256, 8, 3), (16, 128, 4, 4)]
-GEMV_S2 = [(16, 128, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (32, 128, 8, 3), (32, 64, 4, 4),
-           (64, 64, 4, 3), (16, 64, 4, 3), (64, 128, 8, 4)]
-ALIGNED_S1 = [(32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3),
-              (128, 128, 8, 3), (128, 64, 8, 4), (64, 256, 8, 3)]
-ALIGNED_S2 = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (256, 128, 8, 3), (64, 64, 4, 4),
-              (128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 4)]
+# (block_n, block_k, num_warps, num_stages[, interleave]); the GEMV path does its own
+# one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
+GEMV_S1 = [(8, 512, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (16, 512, 8, 1), (32, 512, 8, 1)]
+GEMV_S2 = [(4, 128, 4, 1), (8, 64, 4, 1), (8, 128, 4, 1), (16, 64, 4, 1), (16, 128, 8, 1), (4, 64, 4, 1)]
+ALIGNED_S1 = [(64, 256, 4, 3, False), (64, 128, 4, 4, False), (128, 256, 8, 3, False), (128, 128, 8, 4, False),
+              (64, 256, 4, 4, False), (32, 256, 4, 3, False), (64, 128, 4, 3, True), (128, 128, 8, 3, True)]
+ALIGNED_S2 = [(64, 128, 4, 3, False), (128, 128, 8, 3, False), (128, 128, 4, 4, False), (256, 128, 8, 3, False),
+              (64, 128, 4, 4, False), (128, 128, 8, 3, True), (64, 64, 4, 4, True), (128, 64, 8, 3, True)]
+QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
 
 
 def block_ms(tier: int) -> list[int]:
@@ -64,8 +65,9 @@ def swaps(block_m: int) -> list[bool]:
 
 
 def kc(t, swap=True) -> KernelConfig:
-    bn, bk, w, s = t
-    return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap)
+    bn, bk, w, s, *il = t
+    return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap,
+                        interleave=il[0] if il else True)
 
 
 def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
@@ -76,34 +78,37 @@ def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
         return False
 
 
-def candidates(tier: int, hidden: int, inter: int):
+def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
     """{(path, block_m): (stage-1 list, stage-2 list, base config)}."""
     out = {}
+    n = QUICK if quick else None
     base_h = tt.heuristic_config(hidden, inter, max(tier, 32), is_cuda=True)
     if tier <= GEMV_MAX_TOKENS:
         base = tt.heuristic_config(hidden, inter, 1, is_cuda=True)
-        s1 = [replace(base, stage1=kc(c)) for c in GEMV_S1]
-        s2 = [replace(base, stage2=kc(c)) for c in GEMV_S2]
-        s2 += [replace(base, stage2=kc((bn, 64, w, s))) for bn, bk, w, s in GEMV_S2 if bk == 128]
+        s1 = [replace(base, stage1=kc(c)) for c in GEMV_S1[:n]]
+        s2 = [replace(base, stage2=kc(c)) for c in GEMV_S2[:n]]
         out[("gemv", 0)] = ([c for c in s1 if valid(c, hidden, inter)],
                             list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter))), base)
-    for bm in block_ms(tier):
+    for bm in block_ms(tier)[-2:] if quick else block_ms(tier):
         base = replace(base_h, block_m=bm, stage1=replace(base_h.stage1, swap=bm <= 64),
                        stage2=replace(base_h.stage2, swap=bm <= 64))
-        s1 = [replace(base, stage1=kc(c, sw)) for c, sw in product(ALIGNED_S1, swaps(bm))]
-        s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2, swaps(bm))]
-        s2 += [replace(base, stage2=kc((bn, 64, w, s), sw)) for (bn, bk, w, s), sw in product(ALIGNED_S2, swaps(bm))
-               if bk == 128 and bn >= 128 and w == 8]
-        out[("aligned", bm)] = ([c for c in s1 if valid(c, hidden, inter)],
-                                list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter))), base)
+        s1 = [replace(base, stage1=kc(c, sw)) for c, sw in product(ALIGNED_S1[:n], swaps(bm))]
+        s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2[:n], swaps(bm))]
+        # shapes whose stage-2 K (= I) does not take block_k 128 (TP16: I = 192) get block_k 64 tiles
+        s2 += [replace(base, stage2=kc((bn, 64, w, st, True), sw)) for (bn, bk, w, st, il), sw
+               in product(ALIGNED_S2[:n], swaps(bm)) if inter % bk]
+        s1 = [c for c in s1 if valid(c, hidden, inter)]
+        s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
+        if s1 and s2:
+            out[("aligned", bm)] = (s1, s2, base if valid(base, hidden, inter) else s1[0])
     return out
 
 
 class Entry:
     """One table entry: a shape and a weight format, tuned over all tiers."""
 
-    def __init__(self, shape_name: str, fmt: str):
-        self.shape_name, self.fmt = shape_name, fmt
+    def __init__(self, shape_name: str, fmt: str, quick: bool = False):
+        self.shape_name, self.fmt, self.quick = shape_name, fmt, quick
         s = SHAPES[shape_name]
         self.e, self.h, self.i = s["num_experts"], s["hidden"], s["inter"]
         self.key = tt.shape_key(fmt, self.e, 2 * self.i, self.h)
@@ -111,7 +116,7 @@ class Entry:
     def recipes(self, tiers):
         out = []
         for tier in tiers:
-            for (path, bm), (s1, s2, base) in candidates(tier, self.h, self.i).items():
+            for (path, bm), (s1, s2, base) in candidates(tier, self.h, self.i, self.quick).items():
                 for cfg in [base, *s1, *s2]:
                     out.append(Recipe(self.fmt, self.e, self.h, self.i, 64, TOPK,
                                       (ACT.name, ACT.beta, ACT.linear_beta), json.dumps(cfg.to_json(), sort_keys=True)))
@@ -151,7 +156,7 @@ def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, re
             return plan_moe(prepared, hidden, weights, ids, ACT, None, out, cfg)
 
         finalists = []
-        for (path, bm), (s1_list, s2_list, base) in candidates(tier, entry.h, entry.i).items():
+        for (path, bm), (s1_list, s2_list, base) in candidates(tier, entry.h, entry.i, entry.quick).items():
             best = {}
             for stage, cands in (("stage1", s1_list), ("stage2", s2_list)):
                 timed = []
@@ -162,21 +167,20 @@ def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, re
                         launches = plan(cfg)
                         res = run_plan(launches)
                         torch.cuda.synchronize()
-                        # the launches of this stage: gemv [s1, s2]; aligned [count, offsets, scatter, s1, s2, reduce]
-                        if path == "gemv":
-                            mine = [launches[0]] if stage == "stage1" else [launches[1]]
-                            sp = spills(res[0] if stage == "stage1" else res[1])
-                        else:
-                            mine = [launches[3]] if stage == "stage1" else launches[4:6]
-                            sp = spills(res[3] if stage == "stage1" else res[4])
+                        # this stage's launches: gemv [s1, s2]; aligned [zero, count, offsets, scatter, s1, s2, reduce]
+                        idx = {("gemv", "stage1"): 0, ("gemv", "stage2"): 1,
+                               ("aligned", "stage1"): 4, ("aligned", "stage2"): 5}[(path, stage)]
+                        mine = launches[idx:idx + 1] if path == "gemv" or stage == "stage1" else launches[5:7]
+                        sp = spills(res[idx])
                         if sp:
                             log_rows.append(dict(entry=entry.key, tier=tier, path=path, block_m=bm, stage=stage,
                                                  config=cfg.to_json()[stage], spills=sp))
                             continue
                         t = timer.time_graph(lambda: [l() for l in mine], reps=reps)["median_us"]
                         timed.append((t, cfg))
+                        k = res[idx]
                         log_rows.append(dict(entry=entry.key, tier=tier, path=path, block_m=bm, stage=stage,
-                                             config=cfg.to_json()[stage], us=t))
+                                             config=cfg.to_json()[stage], us=t, regs=getattr(k, "n_regs", None)))
                     except Exception as exc:
                         log_rows.append(dict(entry=entry.key, tier=tier, path=path, block_m=bm, stage=stage,
                                              config=cfg.to_json()[stage], error=f"{type(exc).__name__}: {exc}"[:300]))
@@ -195,7 +199,23 @@ def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, re
             cfg = tt.heuristic_config(entry.h, entry.i, tier, is_cuda=True)
             chosen[str(tier)] = {**cfg.to_json(), "tuned": False, "note": "no candidate finished: heuristic"}
             continue
-        total, cfg, s1_us, s2_us = min(finalists, key=lambda x: x[0])
+        # correctness gate: the winner must agree with the portable decoder's result
+        ref_cfg = replace(tt.heuristic_config(entry.h, entry.i, tier, is_cuda=True), decode="bits")
+        run_plan(plan(ref_cfg))
+        reference = out.clone()
+        chosen_one = None
+        for total, cfg, s1_us, s2_us in sorted(finalists, key=lambda x: x[0]):
+            run_plan(plan(cfg))
+            err = float((out.double() - reference.double()).norm() / reference.double().norm())
+            if err < 2e-2 and bool(torch.isfinite(out).all()):
+                chosen_one = (total, cfg, s1_us, s2_us, err)
+                break
+            log(entry.key, f"T={tier}", "REJECTED", cfg.path, cfg.block_m, f"rel diff {err:.3g}")
+        if chosen_one is None:
+            cfg = tt.heuristic_config(entry.h, entry.i, tier, is_cuda=True)
+            chosen[str(tier)] = {**cfg.to_json(), "tuned": False, "note": "no finalist passed the check"}
+            continue
+        total, cfg, s1_us, s2_us, err = chosen_one
         # the portable decoder with the same tiles, for the record
         bits_us = None
         try:
@@ -205,7 +225,8 @@ def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, re
             bits_us = timer.time_graph(lambda: [l() for l in launches], reps=reps)["median_us"]
         except Exception as exc:
             log("bits decode failed:", exc)
-        chosen[str(tier)] = {**cfg.to_json(), "tuned": True, "us": round(total, 2), "stage1_us": round(s1_us, 2),
+        chosen[str(tier)] = {**cfg.to_json(), "tuned": True, "verified_rel_diff": round(err, 5),
+                             "us": round(total, 2), "stage1_us": round(s1_us, 2),
                              "stage2_us": round(s2_us, 2), "bits_decode_us": bits_us and round(bits_us, 2),
                              "finalists": [{"path": c.path, "block_m": c.block_m, "us": round(t, 2)}
                                            for t, c, _, _ in finalists]}
@@ -225,6 +246,8 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="table path (default: the package's table for this GPU)")
     ap.add_argument("--log", default="results/tune_log.json")
     ap.add_argument("--merge", action="store_true", help="keep entries of an existing table not tuned now")
+    ap.add_argument("--quick-secondary", action="store_true",
+                    help=f"only the first {QUICK} candidates per stage for entries other than tp8/mxfp4")
     args = ap.parse_args()
     start = time.time()
     deadline = start + args.budget_s
@@ -232,7 +255,8 @@ def main() -> int:
     dev_key = tt.device_key(info["gpu"])
     out_path = args.out or str(tt.table_path(dev_key))
     tiers = [int(t) for t in args.tiers.split(",")]
-    entries = [Entry(s, f) for s in args.shapes.split(",") for f in args.formats.split(",")]
+    entries = [Entry(s, f, quick=args.quick_secondary and (s, f) != ("tp8", "mxfp4"))
+               for s in args.shapes.split(",") for f in args.formats.split(",")]
     log("tuning", [e.key for e in entries], "tiers", tiers, "budget", args.budget_s, "s ->", out_path)
 
     # Compile every candidate in the background, entry by entry, while the GPU measures.

@@ -35,16 +35,19 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = True  # aligned path: weights as the MMA's M operand (good for few tokens per tile)
+    interleave: bool = True  # aligned path: restore K order in registers (2 dots) or 8 dots on K = 8c + j
 
-    def validate(self, k: int, what: str) -> None:
+    def validate(self, k: int, what: str, min_block_n: int = 16) -> None:
         for name in ("block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"{what}.{name} = {v} must be a power of two")
-        if self.block_n < 16:
-            raise ValueError(f"{what}.block_n = {self.block_n} must be >= 16")
+        if self.block_n < min_block_n:
+            raise ValueError(f"{what}.block_n = {self.block_n} must be >= {min_block_n}")
         if self.block_k < 32 or k % self.block_k:
             raise ValueError(f"{what}.block_k = {self.block_k} must be >= 32 and divide K = {k}")
+        if not self.interleave and self.block_k < 128:
+            raise ValueError(f"{what}: interleave=False needs block_k >= 128 (8 dots of block_k/8 >= 16)")
         if self.num_stages < 1:
             raise ValueError(f"{what}.num_stages = {self.num_stages} must be >= 1")
 
@@ -72,8 +75,9 @@ class MoEConfig:
             raise ValueError(f"decode {self.decode!r} not in {DECODES}")
         if self.path == "aligned" and self.block_m not in BLOCK_MS:
             raise ValueError(f"block_m {self.block_m} not in {BLOCK_MS}")
-        self.stage1.validate(hidden, "stage1")
-        self.stage2.validate(inter, "stage2")
+        min_n = 16 if self.path == "aligned" else 2  # tl.dot needs 16; the FMA path does not
+        self.stage1.validate(hidden, "stage1", min_n)
+        self.stage2.validate(inter, "stage2", min_n)
         return self
 
     def to_json(self) -> dict:
@@ -180,8 +184,8 @@ def heuristic_config(hidden: int, inter: int, num_tokens: int, *, is_cuda: bool)
     if num_tokens <= 8:
         cfg = MoEConfig(
             path="gemv", block_m=16, decode=decode,
-            stage1=KernelConfig(block_n=16, block_k=_fit_block_k(hidden, 256), num_warps=4, num_stages=stages),
-            stage2=KernelConfig(block_n=32, block_k=_fit_block_k(inter, 128), num_warps=4, num_stages=stages))
+            stage1=KernelConfig(block_n=16, block_k=_fit_block_k(hidden, 512), num_warps=4, num_stages=stages),
+            stage2=KernelConfig(block_n=8, block_k=_fit_block_k(inter, 64), num_warps=4, num_stages=stages))
     else:
         block_m = 16 if num_tokens <= 64 else 32 if num_tokens <= 512 else 64 if num_tokens <= 2048 else 128
         swap = block_m <= 64

@@ -30,7 +30,9 @@ ALIGNED = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True), Kernel
                     "bits")
 ALIGNED_NOSWAP = replace(ALIGNED, block_m=32, stage1=replace(ALIGNED.stage1, swap=False),
                          stage2=replace(ALIGNED.stage2, swap=False))
-PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP}
+ALIGNED_WORDDOTS = MoEConfig("aligned", 16, KernelConfig(64, 128, 4, 2, swap=True, interleave=False),
+                             KernelConfig(64, 64, 4, 2, swap=False), "bits")
+PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS}
 
 
 def reference(backend, prepared, hidden, weights, ids, act, emap=None):
@@ -73,6 +75,19 @@ def test_matches_reference_and_honours_the_activation(fmt, path, problem):
         err = relative_l2(outs[act.name], reference(backend, prepared, hidden, weights, ids, act))
         assert err < TOL, f"{fmt} {path} {act}: relative L2 {err:.3g}"
     assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
+
+
+def test_stage2_word_dots(gen):
+    """Stage 2 with eight word-strided dots needs I >= 128: its own, slightly larger problem."""
+    ex = P.experts(gen, i=128)
+    cfg = MoEConfig("aligned", 32, KernelConfig(64, 128, 4, 2, swap=False, interleave=False),
+                    KernelConfig(64, 128, 4, 2, swap=True, interleave=False), "bits")
+    backend = get_backend("triton", config=cfg)
+    prepared = backend.prepare(ex)
+    hidden = P.hidden(gen, 3)
+    weights, ids = P.routing(gen, 3)
+    out = run(backend, prepared, hidden, weights, ids, SITU)
+    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
 
 
 def test_betas_are_honoured(problem):

@@ -1,4 +1,5 @@
 """The word layout and the PTX decoders, bit for bit, on the CPU (no kernels run)."""
+import math
 import re
 
 import pytest
@@ -47,9 +48,11 @@ def _float_to_bf16(x: float) -> int:
     return torch.tensor([x], dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
 
 
-def run_ptx(asm: str, word: int) -> list[int]:
-    """Execute the subset of PTX the decoders use on one input word ($4); returns $0..$3."""
-    regs = {"$4": word & 0xFFFFFFFF}
+def run_ptx(asm: str, word: int, scale_pair: int = 0) -> list[int]:
+    """Execute the subset of PTX the decoders use on one word ($8) and a bf16x2 scale pair ($9);
+    returns the eight 16-bit outputs $0..$7."""
+    regs = {"$8": word & 0xFFFFFFFF, "$9": scale_pair & 0xFFFFFFFF}
+    written = set()
 
     def val(tok):
         tok = tok.strip()
@@ -60,8 +63,15 @@ def run_ptx(asm: str, word: int) -> list[int]:
         if not line or line in "{}" or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        unpack = re.fullmatch(r"\{\s*(\$\d)\s*,\s*(\$\d)\s*\}\s*,\s*(\S+)", rest)
+        if op == "mov.b32" and unpack:
+            lo, hi, src = unpack.groups()
+            regs[lo], regs[hi] = val(src) & 0xFFFF, val(src) >> 16
+            written |= {lo, hi}
+            continue
         args = [a.strip() for a in rest.split(",")]
         d, srcs = args[0], [val(a) for a in args[1:]]
+        assert not (set(a.strip() for a in args[1:]) & written), "an input read after an output was written"
         if op == "mov.b32":
             r = srcs[0]
         elif op == "shl.b32":
@@ -77,36 +87,34 @@ def run_ptx(asm: str, word: int) -> list[int]:
         elif op == "fma.rn.bf16x2":
             r = 0
             for half in (0, 16):
-                a, b, c = ((s >> half) & 0xFFFF for s in srcs)
+                a, b, c = ((x >> half) & 0xFFFF for x in srcs)
                 exact = _bf16_to_float(a) * _bf16_to_float(b) + _bf16_to_float(c)
                 r |= _float_to_bf16(exact) << half
         else:
             raise AssertionError(f"emulator lacks {op}")
-        if d == "$4":
-            raise AssertionError("the decoder writes its input register")
+        assert d not in ("$8", "$9"), "the decoder writes an input register"
         regs[d] = r & 0xFFFFFFFF
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(8)]
 
 
 @pytest.mark.parametrize("fmt", layout.WEIGHT_FORMATS)
 def test_ptx_decoders_give_every_code_exactly(fmt, gen):
-    asm = (decode.E2M1_PAIRS_PTX if fmt == "mxfp4" else decode.INT4_PAIRS_PTX).value
-    # output registers are only written after the last read of $4
-    lines = [ln.strip() for ln in asm.splitlines()]
-    last_read = max(i for i, ln in enumerate(lines) if "$4" in ln)
-    first_write = min(i for i, ln in enumerate(lines) if re.match(r"\S+\s+\$[0-3],", ln))
-    assert last_read < first_write
+    asm = (decode.E2M1_WORD_PTX if fmt == "mxfp4" else decode.INT4_WORD_PTX).value
     codes = torch.cat([torch.arange(16, dtype=torch.uint8).repeat_interleave(8).reshape(16, 8),
                        torch.randint(0, 16, (48, 8), generator=gen, dtype=torch.uint8)])
     words = layout._words_from_codes(codes, fmt).view(torch.int32).reshape(-1)
-    for word, row in zip(words.tolist(), codes):
-        regs = run_ptx(asm, word)
-        got = [_bf16_to_float((regs[j // 2] >> (16 * (j % 2))) & 0xFFFF) for j in range(8)]
+    scale_bytes = torch.cat([torch.tensor([0, 1, 127, 252]), torch.randint(100, 140, (60,), generator=gen)])
+    for word, row, b in zip(words.tolist(), codes, scale_bytes.tolist()):
+        half = 0x40 if b == 0 else b << 7  # what load_weight_words passes in $9
+        out = run_ptx(asm, word, half | (half << 16))
+        got = [_bf16_to_float(v) for v in out]
         if fmt == "mxfp4":
-            want = mxfp4.e2m1_table()[row.long()].tolist()
+            scale = mxfp4.e8m0_to_float(torch.tensor([b], dtype=torch.uint8)).double()
+            want = (mxfp4.e2m1_table()[row.long()].double() * scale).bfloat16().double().tolist()
         else:
-            want = int4.unpack_signed(mxfp4.pack_nibbles(row)).tolist()
-        assert got == want, (hex(word & 0xFFFFFFFF), got, want)
+            want = int4.unpack_signed(mxfp4.pack_nibbles(row)).double().tolist()
+        assert got == want, (fmt, hex(word & 0xFFFFFFFF), b, got, want)
+        assert all(math.copysign(1, g) == math.copysign(1, w) for g, w in zip(got, want) if g == 0)
 
 
 def test_prepared_experts_decode_to_their_source(gen):

@@ -1,5 +1,5 @@
 """Token alignment: (token, slot) pairs grouped by local expert into blocks of
-`block_m` rows, on the GPU, without host synchronisation."""
+`block_m` rows, on the GPU, without host synchronisation (see _details/align_kernels.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
     num_pairs = ids.numel()
     device = ids.device
     max_blocks = max_blocks_for(num_pairs, num_experts, block_m)
-    scratch = torch.zeros(2 * num_experts, dtype=torch.int32, device=device)
+    scratch = torch.empty(2 * num_experts, dtype=torch.int32, device=device)
     counts, fill = scratch[:num_experts], scratch[num_experts:]
     pairs = AlignedPairs(
         block_m=block_m, num_pairs=num_pairs, max_blocks=max_blocks,
@@ -53,6 +53,8 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
     )
     grid = (max(1, cdiv(num_pairs, BLOCK)),)
     launches = [
+        Launch(K.align_zero_kernel, (cdiv(scratch.numel(), 1024),), dict(ptr=scratch, n=scratch.numel(), BLOCK=1024),
+               num_warps=4, num_stages=1, label="align.zero"),
         Launch(K.align_count_kernel, grid, dict(
             ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=pairs.local,
             counts_ptr=counts, sorted_ptr=pairs.sorted_pairs, num_pairs=num_pairs,

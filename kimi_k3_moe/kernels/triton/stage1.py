@@ -52,7 +52,7 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
                 sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
                 num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
-                TOPK=topk, DECODE=DECODE_CODES[decode], SWAP=cfg.swap,
+                TOPK=topk, DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
                 BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     grid = (pairs.max_blocks, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")

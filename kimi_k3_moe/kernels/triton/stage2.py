@@ -27,7 +27,7 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
         y_ptr=y, stride_ym=y.stride(0), topk_w_ptr=topk_weights.reshape(-1),
         sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
         num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
-        DECODE=DECODE_CODES[decode], SWAP=cfg.swap,
+        DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
         BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
         cfg.num_warps, cfg.num_stages, "stage2.aligned")
     block = min(REDUCE_BLOCK, next_pow2(hidden))
@@ -46,7 +46,7 @@ def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Ten
         inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2"),
         out_ptr=out, stride_om=out.stride(0),
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
-        topk_w_ptr=topk_weights.reshape(-1), hidden=hidden,
-        INTER=experts.intermediate_size, TOPK=topk_ids.shape[1], HAS_MAP=expert_map is not None,
+        topk_w_ptr=topk_weights.reshape(-1), hidden=hidden, inter_size=experts.intermediate_size,
+        TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
         DECODE=DECODE_CODES[decode], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
         cfg.num_warps, cfg.num_stages, "stage2.gemv")]

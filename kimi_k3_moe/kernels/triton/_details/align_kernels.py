@@ -1,7 +1,9 @@
 """Token alignment on the GPU: group (token, slot) pairs by local expert into
 blocks of BLOCK_M rows, padding each expert's rows to a multiple of BLOCK_M.
 
-Three launches, no host synchronisation (grids are sized by upper bounds):
+Four launches, no host synchronisation (grids are sized by upper bounds):
+  zero    clears the per-expert counters (a launch of its own, so a replayed
+          CUDA graph starts from zero every time);
   count   local expert of each pair (expert_map applied, -1 = not on this rank),
           per-expert counts (atomics), padding rows of `sorted_pairs` set to
           the sentinel `num_pairs`;
@@ -13,6 +15,12 @@ Three launches, no host synchronisation (grids are sized by upper bounds):
 """
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def align_zero_kernel(ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < n)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_rows"])

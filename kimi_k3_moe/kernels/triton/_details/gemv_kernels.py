@@ -1,25 +1,36 @@
 """The small-batch path: no token alignment, fp32 FMA dot products.
 
-Stage 1 runs one program per (token, slot) pair and N tile; stage 2 one
-program per token and N tile, summing that token's slots in slot order in
-fp32 (deterministic, no atomics, no per-slot buffer). With a handful of
-tokens nearly every pair has its own expert, so grouping pairs buys nothing
-and its launches cost more than they save.
+Stage 1 runs one program per (token, slot) pair and N tile, its gate and up
+rows interleaved in one tile; stage 2 one program per token and N tile with
+all of the token's slots in one tile (rows = slot x N), summed in a fixed
+order in fp32 (deterministic, no atomics, no per-slot buffer). With a handful
+of tokens nearly every pair has its own expert, so grouping pairs buys
+nothing and its launches cost more than they save.
+
+Weights are decoded word by word (`load_weight_words`): v_j holds K = 8c + j,
+and the activations are loaded in the same eight strided views, so no
+register shuffles are needed to restore K order.
 """
 import triton
 import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import load_weight_tile, word_k_offsets
+from kimi_k3_moe.kernels.triton._details.decode import decode_weight_raw, load_weight_raw
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 
 
 @triton.jit
-def _local_expert(ids_ptr, map_ptr, pair, HAS_MAP: tl.constexpr):
-    e = tl.load(ids_ptr + pair).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e).to(tl.int32)
-    return e
+def _fma_words(acc, x_ptrs, x_mask, v0, v1, v2, v3, v4, v5, v6, v7):
+    """acc += sum_j v_j * x[8c + j]; x_ptrs points at element 8c of each word."""
+    acc += v0.to(tl.float32) * tl.load(x_ptrs + 0, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v1.to(tl.float32) * tl.load(x_ptrs + 1, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v2.to(tl.float32) * tl.load(x_ptrs + 2, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v3.to(tl.float32) * tl.load(x_ptrs + 3, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v4.to(tl.float32) * tl.load(x_ptrs + 4, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v5.to(tl.float32) * tl.load(x_ptrs + 5, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v6.to(tl.float32) * tl.load(x_ptrs + 6, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v7.to(tl.float32) * tl.load(x_ptrs + 7, mask=x_mask, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -35,34 +46,39 @@ def stage1_gemv_kernel(
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     ACT: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """inter[pair, n] = act(gate . x, up . x) for one (token, slot) pair."""
+    """inter[pair, n] = act(gate . x, up . x) for one (token, slot) pair and BLOCK_N columns."""
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = _local_expert(ids_ptr, map_ptr, pair, HAS_MAP)
+    e = tl.load(ids_ptr + pair).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e).to(tl.int32)
     if e < 0:
         return  # expert on another rank: stage 2 skips this slot too
     e64 = e.to(tl.int64)
     tok = (pair // TOPK).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = (offs_n < inter_size)[:, None]
-    ka = word_k_offsets(BLOCK_K)
-    gate_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-    up_rows = gate_rows + inter_size * stride_wn
-    gate_so = e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-    up_so = gate_so + inter_size * stride_sn
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    x_row = x_ptr + tok * stride_xm
+    r = tl.arange(0, 2 * BLOCK_N)
+    n = pid_n * BLOCK_N + r // 2          # rows alternate gate n, up n
+    w_row = n + (r % 2) * inter_size
+    mask_r = (n < inter_size)[:, None]
+    w_rows = w_ptr + e64 * stride_we + w_row[:, None].to(tl.int64) * stride_wn
+    so = e64 * stride_se + w_row[:, None].to(tl.int64) * stride_sn
+    cw = tl.arange(0, BLOCK_K // 8)
+    x_words = x_ptr + tok * stride_xm + 8 * cw[None, :]
+    acc = tl.zeros((2 * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    # loads run one K step ahead of the arithmetic (these loads feed no dot, so the
+    # compiler's pipeliner leaves them alone; this keeps two steps of bytes in flight).
+    # The step after the last re-reads the last tile (an L2 hit) instead of masking.
+    w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, 0, mask_r, FMT, HAS_OFFSETS, BLOCK_K)
     for k0 in range(0, hidden, BLOCK_K):
-        xa = tl.load(x_row + k0 + ka).to(tl.float32)[None, :]
-        xb = tl.load(x_row + k0 + 4 + ka).to(tl.float32)[None, :]
-        ga, gb = load_weight_tile(gate_rows, s_ptr + gate_so, o_ptr + gate_so, k0, mask_n,
-                                  FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-        ua, ub = load_weight_tile(up_rows, s_ptr + up_so, o_ptr + up_so, k0, mask_n,
-                                  FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-        acc_g += ga.to(tl.float32) * xa + gb.to(tl.float32) * xb
-        acc_u += ua.to(tl.float32) * xa + ub.to(tl.float32) * xb
-    h = apply_activation(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), beta, linear_beta, ACT)
+        k_next = tl.minimum(k0 + BLOCK_K, hidden - BLOCK_K)
+        w_next, s_next, o_next = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k_next, mask_r,
+                                                 FMT, HAS_OFFSETS, BLOCK_K)
+        v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, 2 * BLOCK_N, BLOCK_K)
+        acc = _fma_words(acc, x_words + k0, cw[None, :] >= 0, v0, v1, v2, v3, v4, v5, v6, v7)
+        w, s, o = w_next, s_next, o_next
+    gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
+    h = apply_activation(gate, up, beta, linear_beta, ACT)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(inter_ptr + pair.to(tl.int64) * stride_im + offs_n, cast_to(h, inter_ptr.dtype.element_ty),
              mask=offs_n < inter_size)
 
@@ -75,37 +91,43 @@ def stage2_gemv_kernel(
     o_ptr,
     out_ptr, stride_om,
     ids_ptr, map_ptr, topk_w_ptr,
-    hidden,
-    INTER: tl.constexpr, TOPK: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr,
+    hidden, inter_size,
+    TOPK: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[t, n] = sum over slots of router_weight * (W2_e[n] . inter[pair]), fp32, slot order."""
-    t = tl.program_id(0)
+    """out[t, n] = sum over slots of router_weight * (W2_e[n] . inter[pair]), fp32, fixed order.
+
+    One tile holds every slot of the token (rows = SLOTS x BLOCK_N, SLOTS = TOPK rounded up
+    to a power of two), so all of the token's experts stream at once.
+    """
+    t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    r = tl.arange(0, SLOTS * BLOCK_N)
+    slot = r // BLOCK_N
+    n = pid_n * BLOCK_N + r % BLOCK_N
+    pair = t * TOPK + slot
+    e = tl.load(ids_ptr + pair, mask=slot < TOPK, other=-1).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e, mask=e >= 0, other=-1).to(tl.int32)
+    here = (e >= 0) & (n < hidden)
+    e64 = tl.maximum(e, 0).to(tl.int64)
+    w_rows = w_ptr + e64[:, None] * stride_we + n[:, None].to(tl.int64) * stride_wn
+    so = e64[:, None] * stride_se + n[:, None].to(tl.int64) * stride_sn
+    cw = tl.arange(0, BLOCK_K // 8)
+    x_words = inter_ptr + pair[:, None] * stride_im + 8 * cw[None, :]
+    x_mask = here[:, None] & (cw[None, :] >= 0)
+    acc = tl.zeros((SLOTS * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, 0, here[:, None], FMT, HAS_OFFSETS, BLOCK_K)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_next = tl.minimum(k0 + BLOCK_K, inter_size - BLOCK_K)
+        w_next, s_next, o_next = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k_next, here[:, None],
+                                                 FMT, HAS_OFFSETS, BLOCK_K)
+        v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE,
+                                                           SLOTS * BLOCK_N, BLOCK_K)
+        acc = _fma_words(acc, x_words + k0, x_mask, v0, v1, v2, v3, v4, v5, v6, v7)
+        w, s, o = w_next, s_next, o_next
+    gate = tl.load(topk_w_ptr + pair, mask=slot < TOPK, other=0.0).to(tl.float32)
+    per_row = tl.where(here, tl.sum(acc, axis=1) * gate, 0.0)
+    total = tl.sum(tl.reshape(per_row, (SLOTS, BLOCK_N)), axis=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_n = offs_n < hidden
-    ka = word_k_offsets(BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(TOPK):
-        pair = t * TOPK + s
-        e = _local_expert(ids_ptr, map_ptr, pair, HAS_MAP)
-        here = e >= 0
-        e64 = tl.maximum(e, 0).to(tl.int64)
-        # masks built from blocks (the interpreter rejects block & scalar-bool masks)
-        mask_n = (in_n & ((offs_n * 0 + e) >= 0))[:, None]
-        mask_k = (ka * 0 + e) >= 0
-        w_rows = w_ptr + e64 * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        so = e64 * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-        a_row = inter_ptr + pair.to(tl.int64) * stride_im
-        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-        for kk in tl.static_range(INTER // BLOCK_K):
-            k0 = kk * BLOCK_K
-            xa = tl.load(a_row + k0 + ka, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-            xb = tl.load(a_row + k0 + 4 + ka, mask=mask_k, other=0.0).to(tl.float32)[None, :]
-            wa, wb = load_weight_tile(w_rows, s_ptr + so, o_ptr + so, k0, mask_n,
-                                      FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-            acc += wa.to(tl.float32) * xa + wb.to(tl.float32) * xb
-        gate = tl.load(topk_w_ptr + pair).to(tl.float32)
-        total += tl.where(here, gate * tl.sum(acc, axis=1), 0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + offs_n, cast_to(total, out_ptr.dtype.element_ty),
-             mask=offs_n < hidden)
+    tl.store(out_ptr + t * stride_om + offs_n, cast_to(total, out_ptr.dtype.element_ty), mask=offs_n < hidden)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import load_weight_tile, word_k_offsets
+from kimi_k3_moe.kernels.triton._details.decode import load_weight_tile, load_weight_words, word_k_offsets
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
 
 
@@ -31,6 +31,45 @@ def _acc_dot(acc, xa, xb, wa, wb, SWAP: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _dot1(acc, x, v, SWAP: tl.constexpr):
+    x = dot_operand(x)
+    v = dot_operand(v)
+    if SWAP:
+        acc = tl.dot(v, tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, tl.trans(v), acc)
+    return acc
+
+
+@triton.jit
+def _load_x_words(x_ptrs, mask):
+    """The activations at K = 8c + j, j = 0..7, as bf16 [rows, BLOCK_K/8] (x_ptrs at 8c)."""
+    x0 = cast_to(tl.load(x_ptrs + 0, mask=mask, other=0.0), tl.bfloat16)
+    x1 = cast_to(tl.load(x_ptrs + 1, mask=mask, other=0.0), tl.bfloat16)
+    x2 = cast_to(tl.load(x_ptrs + 2, mask=mask, other=0.0), tl.bfloat16)
+    x3 = cast_to(tl.load(x_ptrs + 3, mask=mask, other=0.0), tl.bfloat16)
+    x4 = cast_to(tl.load(x_ptrs + 4, mask=mask, other=0.0), tl.bfloat16)
+    x5 = cast_to(tl.load(x_ptrs + 5, mask=mask, other=0.0), tl.bfloat16)
+    x6 = cast_to(tl.load(x_ptrs + 6, mask=mask, other=0.0), tl.bfloat16)
+    x7 = cast_to(tl.load(x_ptrs + 7, mask=mask, other=0.0), tl.bfloat16)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP: tl.constexpr):
+    """acc += sum_j x_j . v_j: eight dots over the word-strided K views (no weight shuffles)."""
+    acc = _dot1(acc, x0, v0, SWAP)
+    acc = _dot1(acc, x1, v1, SWAP)
+    acc = _dot1(acc, x2, v2, SWAP)
+    acc = _dot1(acc, x3, v3, SWAP)
+    acc = _dot1(acc, x4, v4, SWAP)
+    acc = _dot1(acc, x5, v5, SWAP)
+    acc = _dot1(acc, x6, v6, SWAP)
+    acc = _dot1(acc, x7, v7, SWAP)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def stage1_aligned_kernel(
     x_ptr, stride_xm,
@@ -42,7 +81,7 @@ def stage1_aligned_kernel(
     num_pairs, inter_size, hidden,
     beta, linear_beta,
     TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
-    DECODE: tl.constexpr, SWAP: tl.constexpr,
+    DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """inter[row, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows."""
@@ -73,15 +112,25 @@ def stage1_aligned_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_words = x_rows + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
     for k0 in range(0, hidden, BLOCK_K):
-        xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
-        xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
-        ga, gb = load_weight_tile(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
-                                  BLOCK_N, BLOCK_K)
-        ua, ub = load_weight_tile(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
-                                  BLOCK_N, BLOCK_K)
-        acc_g = _acc_dot(acc_g, xa, xb, ga, gb, SWAP)
-        acc_u = _acc_dot(acc_u, xa, xb, ua, ub, SWAP)
+        if INTERLEAVE:
+            xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+            xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+            ga, gb = load_weight_tile(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
+                                      BLOCK_N, BLOCK_K)
+            ua, ub = load_weight_tile(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
+                                      BLOCK_N, BLOCK_K)
+            acc_g = _acc_dot(acc_g, xa, xb, ga, gb, SWAP)
+            acc_u = _acc_dot(acc_u, xa, xb, ua, ub, SWAP)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(x_words + k0, row_ok[:, None])
+            g0, g1, g2, g3, g4, g5, g6, g7 = load_weight_words(gate_rows, gate_s, gate_o, k0, mask_n, FMT,
+                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            acc_g = _word_dots(acc_g, x0, x1, x2, x3, x4, x5, x6, x7, g0, g1, g2, g3, g4, g5, g6, g7, SWAP)
+            u0, u1, u2, u3, u4, u5, u6, u7 = load_weight_words(up_rows, up_s, up_o, k0, mask_n, FMT,
+                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            acc_u = _word_dots(acc_u, x0, x1, x2, x3, x4, x5, x6, x7, u0, u1, u2, u3, u4, u5, u6, u7, SWAP)
     if SWAP:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -101,7 +150,7 @@ def stage2_aligned_kernel(
     sorted_ptr, block_expert_ptr, num_rows_ptr,
     num_pairs, hidden, inter_size,
     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """y[pair, n] = router_weight[pair] * (inter[row] . W2_e[n]), stored per (token, slot) pair."""
     pid_m = tl.program_id(0)
@@ -124,12 +173,19 @@ def stage2_aligned_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_words = a_rows + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
     for k0 in range(0, inter_size, BLOCK_K):
-        xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :]), tl.bfloat16)
-        xb = cast_to(tl.load(a_rows + (k0 + 4 + ka)[None, :]), tl.bfloat16)
-        wa, wb = load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
-                                  BLOCK_N, BLOCK_K)
-        acc = _acc_dot(acc, xa, xb, wa, wb, SWAP)
+        if INTERLEAVE:
+            xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :]), tl.bfloat16)
+            xb = cast_to(tl.load(a_rows + (k0 + 4 + ka)[None, :]), tl.bfloat16)
+            wa, wb = load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
+                                      BLOCK_N, BLOCK_K)
+            acc = _acc_dot(acc, xa, xb, wa, wb, SWAP)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, rows[:, None] >= 0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT,
+                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            acc = _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP)
     if SWAP:
         acc = tl.trans(acc)
     gate = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
