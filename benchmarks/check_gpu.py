@@ -150,6 +150,12 @@ def main() -> int:
                                                            block_m=16)}))
         if t <= 64:
             out.append(("gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}))
+        if t >= 16:
+            base = heuristic_config(h, i, t, is_cuda=dev == "cuda")
+            if base.path == "aligned" and base.stage1.block_k >= 128 and base.stage2.block_k >= 128:
+                out.append(("aligned-worddots", {"config": replace(
+                    base, stage1=replace(base.stage1, interleave=False),
+                    stage2=replace(base.stage2, interleave=False))}))
         return out
 
     # Compile everything first, in parallel worker processes.

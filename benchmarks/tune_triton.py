@@ -42,7 +42,8 @@ GEMV_MAX_TOKENS = 16
 GEMV_S1 = [(8, 512, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (16, 512, 8, 1), (32, 512, 8, 1)]
 GEMV_S2 = [(4, 128, 4, 1), (8, 64, 4, 1), (8, 128, 4, 1), (16, 64, 4, 1), (16, 128, 8, 1), (4, 64, 4, 1)]
 ALIGNED_S1 = [(64, 256, 4, 3, False), (64, 128, 4, 4, False), (128, 256, 8, 3, False), (128, 128, 8, 4, False),
-              (64, 256, 4, 4, False), (32, 256, 4, 3, False), (64, 128, 4, 3, True), (128, 128, 8, 3, True)]
+              (64, 256, 4, 4, False), (32, 256, 4, 3, False), (64, 128, 4, 3, True), (128, 128, 8, 3, True),
+              (64, 128, 8, 3, True), (128, 64, 8, 4, True)]
 ALIGNED_S2 = [(64, 128, 4, 3, False), (128, 128, 8, 3, False), (128, 128, 4, 4, False), (256, 128, 8, 3, False),
               (64, 128, 4, 4, False), (128, 128, 8, 3, True), (64, 64, 4, 4, True), (128, 64, 8, 3, True)]
 QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
@@ -199,8 +200,9 @@ def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, re
             cfg = tt.heuristic_config(entry.h, entry.i, tier, is_cuda=True)
             chosen[str(tier)] = {**cfg.to_json(), "tuned": False, "note": "no candidate finished: heuristic"}
             continue
-        # correctness gate: the winner must agree with the portable decoder's result
-        ref_cfg = replace(tt.heuristic_config(entry.h, entry.i, tier, is_cuda=True), decode="bits")
+        # correctness gate: the winner must agree with the aligned path's portable decoder
+        # (interleaved dots), the combination checked against float64 on this GPU first
+        ref_cfg = replace(tt.heuristic_config(entry.h, entry.i, max(tier, 64), is_cuda=True), decode="bits")
         run_plan(plan(ref_cfg))
         reference = out.clone()
         chosen_one = None
