@@ -145,12 +145,12 @@ def main() -> int:
         out = [("default", {})]
         if dev == "cuda" and t in (3, 257):
             out.append(("default/bits", {"decode": "bits"}))
-        if t <= 16:
+        if t <= 3:
             out.append(("aligned-bm16", {"config": replace(heuristic_config(h, i, 64, is_cuda=dev == "cuda"),
                                                            block_m=16)}))
-        if t <= 64:
+        if t <= 16:
             out.append(("gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}))
-        if t >= 16:
+        if t in (16, 257):
             base = heuristic_config(h, i, t, is_cuda=dev == "cuda")
             if base.path == "aligned" and base.stage1.block_k >= 128 and base.stage2.block_k >= 128:
                 out.append(("aligned-worddots", {"config": replace(

@@ -8,7 +8,7 @@ from kimi_k3_moe.configs.triton_table import MoEConfig
 from kimi_k3_moe.kernels.triton.alignment import align_launches
 from kimi_k3_moe.kernels.triton.launch import Launch
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.kernels.triton.stage1 import stage1_aligned, stage1_gemv
+from kimi_k3_moe.kernels.triton.stage1 import stage1_aligned, stage1_gemv, word_order
 from kimi_k3_moe.kernels.triton.stage2 import stage2_aligned, stage2_gemv
 
 
@@ -17,12 +17,19 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
              out: torch.Tensor, config: MoEConfig) -> list[Launch]:
     """Launches computing `out` ([T, H], written in full) in order; buffers are allocated here."""
     config.validate(experts.hidden_size, experts.intermediate_size)
-    if config.path == "gemv":
-        inter, s1 = stage1_gemv(experts, hidden, topk_ids, expert_map, activation, config.stage1, config.decode)
-        return [s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
-                                 config.stage2, config.decode)]
+    s1_cfg, s2_cfg = config.stage1, config.stage2
+    if config.path == "gemv":  # both stages read their activations in word order
+        x, permute = word_order(hidden, s1_cfg.block_k)
+        inter, s1 = stage1_gemv(experts, x, topk_ids, expert_map, activation, s1_cfg, config.decode,
+                                out_block_k=s2_cfg.block_k)
+        return [permute, s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
+                                          s2_cfg, config.decode)]
     pairs, align = align_launches(topk_ids, expert_map, experts.num_experts, config.block_m)
-    inter, s1 = stage1_aligned(experts, hidden, pairs, topk_ids.shape[1], activation,
-                               config.stage1, config.decode)
-    return [*align, s1, *stage2_aligned(experts, inter, pairs, topk_weights, out,
-                                        config.stage2, config.decode)]
+    launches = list(align)
+    x = hidden
+    if not s1_cfg.interleave:
+        x, permute = word_order(hidden, s1_cfg.block_k)
+        launches.append(permute)
+    inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode,
+                               out_block_k=0 if s2_cfg.interleave else s2_cfg.block_k)
+    return [*launches, s1, *stage2_aligned(experts, inter, pairs, topk_weights, out, s2_cfg, config.decode)]

@@ -14,6 +14,7 @@ import triton.language as tl
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import load_weight_tile, load_weight_words, word_k_offsets
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
+from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
 
 @triton.jit
@@ -43,16 +44,16 @@ def _dot1(acc, x, v, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _load_x_words(x_ptrs, mask):
-    """The activations at K = 8c + j, j = 0..7, as bf16 [rows, BLOCK_K/8] (x_ptrs at 8c)."""
-    x0 = cast_to(tl.load(x_ptrs + 0, mask=mask, other=0.0), tl.bfloat16)
-    x1 = cast_to(tl.load(x_ptrs + 1, mask=mask, other=0.0), tl.bfloat16)
-    x2 = cast_to(tl.load(x_ptrs + 2, mask=mask, other=0.0), tl.bfloat16)
-    x3 = cast_to(tl.load(x_ptrs + 3, mask=mask, other=0.0), tl.bfloat16)
-    x4 = cast_to(tl.load(x_ptrs + 4, mask=mask, other=0.0), tl.bfloat16)
-    x5 = cast_to(tl.load(x_ptrs + 5, mask=mask, other=0.0), tl.bfloat16)
-    x6 = cast_to(tl.load(x_ptrs + 6, mask=mask, other=0.0), tl.bfloat16)
-    x7 = cast_to(tl.load(x_ptrs + 7, mask=mask, other=0.0), tl.bfloat16)
+def _load_x_words(x_ptrs, mask, W: tl.constexpr):
+    """Activations in word order: slot j's [rows, W] run starts at x_ptrs + j*W (bf16)."""
+    x0 = cast_to(tl.load(x_ptrs + 0 * W, mask=mask, other=0.0), tl.bfloat16)
+    x1 = cast_to(tl.load(x_ptrs + 1 * W, mask=mask, other=0.0), tl.bfloat16)
+    x2 = cast_to(tl.load(x_ptrs + 2 * W, mask=mask, other=0.0), tl.bfloat16)
+    x3 = cast_to(tl.load(x_ptrs + 3 * W, mask=mask, other=0.0), tl.bfloat16)
+    x4 = cast_to(tl.load(x_ptrs + 4 * W, mask=mask, other=0.0), tl.bfloat16)
+    x5 = cast_to(tl.load(x_ptrs + 5 * W, mask=mask, other=0.0), tl.bfloat16)
+    x6 = cast_to(tl.load(x_ptrs + 6 * W, mask=mask, other=0.0), tl.bfloat16)
+    x7 = cast_to(tl.load(x_ptrs + 7 * W, mask=mask, other=0.0), tl.bfloat16)
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
@@ -82,9 +83,13 @@ def stage1_aligned_kernel(
     beta, linear_beta,
     TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
     DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BLOCK_K: tl.constexpr,
 ):
-    """inter[row, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows."""
+    """inter[row, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
+
+    INTERLEAVE: x in plain order, weights regrouped in registers; else x in word order of
+    BLOCK_K tiles and eight dots per step. inter goes out in word order of OUT_BLOCK_K tiles
+    (what stage 2's word dots read), or plain when OUT_BLOCK_K is 0."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -112,7 +117,7 @@ def stage1_aligned_kernel(
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_words = x_rows + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
+    x_words = x_rows + tl.arange(0, BLOCK_K // 8)[None, :]
     for k0 in range(0, hidden, BLOCK_K):
         if INTERLEAVE:
             xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
@@ -124,7 +129,7 @@ def stage1_aligned_kernel(
             acc_g = _acc_dot(acc_g, xa, xb, ga, gb, SWAP)
             acc_u = _acc_dot(acc_u, xa, xb, ua, ub, SWAP)
         else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(x_words + k0, row_ok[:, None])
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(x_words + k0, row_ok[:, None], BLOCK_K // 8)
             g0, g1, g2, g3, g4, g5, g6, g7 = load_weight_words(gate_rows, gate_s, gate_o, k0, mask_n, FMT,
                                                                HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
             acc_g = _word_dots(acc_g, x0, x1, x2, x3, x4, x5, x6, x7, g0, g1, g2, g3, g4, g5, g6, g7, SWAP)
@@ -135,7 +140,11 @@ def stage1_aligned_kernel(
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
     h = apply_activation(acc_g, acc_u, beta, linear_beta, ACT)
-    out = inter_ptr + rows[:, None].to(tl.int64) * stride_im + offs_n[None, :]
+    if OUT_BLOCK_K > 0:
+        dest = word_position(offs_n, OUT_BLOCK_K)
+    else:
+        dest = offs_n
+    out = inter_ptr + rows[:, None].to(tl.int64) * stride_im + dest[None, :]
     tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=(offs_n < inter_size)[None, :])
 
 
@@ -173,7 +182,7 @@ def stage2_aligned_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_words = a_rows + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
+    a_words = a_rows + tl.arange(0, BLOCK_K // 8)[None, :]
     for k0 in range(0, inter_size, BLOCK_K):
         if INTERLEAVE:
             xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :]), tl.bfloat16)
@@ -182,7 +191,7 @@ def stage2_aligned_kernel(
                                       BLOCK_N, BLOCK_K)
             acc = _acc_dot(acc, xa, xb, wa, wb, SWAP)
         else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, rows[:, None] >= 0)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, rows[:, None] >= 0, BLOCK_K // 8)
             v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT,
                                                                HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
             acc = _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP)
