@@ -190,10 +190,12 @@ def heuristic_config(hidden: int, inter: int, num_tokens: int, *, is_cuda: bool)
         block_m = 16 if num_tokens <= 64 else 32 if num_tokens <= 512 else 64 if num_tokens <= 2048 else 128
         swap = block_m <= 64
         warps = 4 if block_m <= 32 else 8
+        # gfx942 has 64 KB of LDS per workgroup: 128-row activation tiles get K steps of 64 there
+        bk = 64 if not is_cuda and block_m >= 128 else 128
         cfg = MoEConfig(
             path="aligned", block_m=block_m, decode=decode,
-            stage1=KernelConfig(block_n=64, block_k=_fit_block_k(hidden, 128), num_warps=warps,
+            stage1=KernelConfig(block_n=64, block_k=_fit_block_k(hidden, bk), num_warps=warps,
                                 num_stages=stages, swap=swap),
-            stage2=KernelConfig(block_n=64 if block_m <= 32 else 128, block_k=_fit_block_k(inter, 128),
+            stage2=KernelConfig(block_n=64 if block_m <= 32 else 128, block_k=_fit_block_k(inter, bk),
                                 num_warps=warps, num_stages=stages, swap=swap))
     return cfg.validate(hidden, inter)

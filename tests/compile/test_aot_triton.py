@@ -1,6 +1,10 @@
 """Every kernel specialisation the tables (and the heuristic) can launch compiles for
 sm_90, gfx942 and gfx950; registers, spills and shared memory are read from the
-compiled artifacts and recorded; any spill fails the test.
+compiled artifacts and recorded for all of them. A spill fails the test wherever
+that config can run: a device's table runs on that vendor's targets (the H200
+table on sm_90), the heuristic everywhere. The H200 table compiled for gfx942 and
+gfx950 (a portability check: AMD devices never load it) must compile; its spills
+there are recorded and printed, not failed.
 
 Each (kernel, constexprs, warps, stages) compiles once per target, in worker
 processes (an LLVM abort takes down a worker, not the suite). The report lands
@@ -27,6 +31,16 @@ REPORT = Path(os.environ.get("KIMI_K3_MOE_AOT_REPORT", "build/aot_triton_report.
 WORKERS = int(os.environ.get("KIMI_K3_MOE_AOT_WORKERS", "2"))
 
 
+def runs_on(target: str, origin: str) -> bool:
+    """Whether a config of this origin is what the lookup returns on a `target` device."""
+    if origin.startswith("heuristic-hip"):
+        return not target.startswith("sm_")
+    if origin.startswith("heuristic"):
+        return target.startswith("sm_")
+    device = origin.split()[0][len("triton_"):]
+    return device.startswith("nvidia") == target.startswith("sm_")
+
+
 def table_configs():
     """(fmt, E, H, I, MoEConfig, origin) for every tier of every shipped table, plus the heuristic."""
     out = []
@@ -41,7 +55,9 @@ def table_configs():
     for fmt in ("mxfp4", "int4"):
         for e, h, i in ((896, 3584, 384), (896, 3584, 192)):
             for t in (1, 64, 512, 2048, 16384):
-                out.append((fmt, e, h, i, tt.heuristic_config(h, i, t, is_cuda=True), f"heuristic T{t}"))
+                for is_cuda in (True, False):  # the heuristic differs per vendor (LDS size)
+                    out.append((fmt, e, h, i, tt.heuristic_config(h, i, t, is_cuda=is_cuda),
+                                f"heuristic{'' if is_cuda else '-hip'} T{t}"))
     return out
 
 
@@ -57,28 +73,29 @@ def _key(launch, target):
 
 
 def _compile_one(job):
-    target, fmt, e, h, i, cfg_json, act, offsets, index = job
+    target, fmt, e, h, i, cfg_json, act, offsets, index, gate, origin = job
     from kimi_k3_moe.kernels.triton.aot import compile_launch
     launch = _specs(target, fmt, e, h, i, tt.MoEConfig.from_json(cfg_json), act, offsets)[index]
     try:
         report, _ = compile_launch(launch, target)
-        return report.row()
+        return {**report.row(), "gated": gate, "origin": origin}
     except Exception as exc:  # reported per kernel; the test fails on it
-        return {"kernel": launch.name, "target": target, "label": launch.label, "error": f"{type(exc).__name__}: {exc}"[-600:]}
+        return {"kernel": launch.name, "target": target, "label": launch.label, "origin": origin,
+                "error": f"{type(exc).__name__}: {exc}"[-600:]}
 
 
 def collect_jobs():
-    jobs, seen = [], set()
+    jobs = {}
     for target in TARGETS:
         for fmt, e, h, i, cfg, origin in table_configs():
+            gate = runs_on(target, origin)
             variants = [(SITU, False)] + ([(SITU, True)] if fmt == "int4" else [])
             for act, offsets in variants:
                 for index, launch in enumerate(_specs(target, fmt, e, h, i, cfg, act, offsets)):
                     key = _key(launch, target)
-                    if key not in seen:
-                        seen.add(key)
-                        jobs.append((target, fmt, e, h, i, cfg.to_json(), act, offsets, index))
-    return jobs
+                    if key not in jobs or (gate and not jobs[key][-2]):
+                        jobs[key] = (target, fmt, e, h, i, cfg.to_json(), act, offsets, index, gate, origin)
+    return list(jobs.values())
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +108,12 @@ def compiled():
     print(f"\n{len(rows)} kernel specialisations compiled; report in {REPORT}")
     for target in TARGETS:
         mine = [r for r in rows if r["target"] == target and "error" not in r]
+        gated = [r for r in mine if r["gated"]]
         if mine:
-            print(f"  {target}: {len(mine)} kernels, registers max {max(r['registers'] for r in mine)}, "
-                  f"shared max {max(r['shared'] for r in mine)} B, spills {sum(r['spills'] for r in mine)}")
+            print(f"  {target}: {len(mine)} kernels ({len(gated)} that run there), registers max "
+                  f"{max(r['registers'] for r in mine)}, shared max {max(r['shared'] for r in mine)} B, "
+                  f"spilled kernels: {sum(1 for r in gated if r['spills'])} of those that run there, "
+                  f"{sum(1 for r in mine if r['spills'] and not r['gated'])} cross-target (recorded only)")
     return rows
 
 
@@ -104,7 +124,7 @@ def test_every_specialisation_compiles_for_every_target(compiled):
 
 
 def test_no_spills_and_shared_memory_fits(compiled):
-    ok = [r for r in compiled if "error" not in r]
+    ok = [r for r in compiled if "error" not in r and r["gated"]]
     spilled = [r for r in ok if r["spills"]]
     assert not spilled, "\n".join(f"{r['target']} {r['label']} {r['constexprs']} warps={r['num_warps']}: "
                                   f"{r['spills']} spilled, {r['registers']} registers" for r in spilled)
@@ -121,11 +141,14 @@ def test_activation_and_betas_cannot_share_a_binary():
     from kimi_k3_moe.kernels.triton.aot import _signature, compile_launch
     cfg_small = tt.heuristic_config(3584, 384, 1, is_cuda=True)
     cfg_big = tt.heuristic_config(3584, 384, 4096, is_cuda=True)
-    for cfg, index in ((cfg_small, 0), (cfg_big, 4)):
+    def stage1(cfg, act):
+        return next(l for l in _specs("sm_90", "mxfp4", 896, 3584, 384, cfg, act)
+                    if l.label in ("stage1.gemv", "stage1.aligned"))
+
+    for cfg in (cfg_small, cfg_big):
         hashes = {}
         for act in (("silu", None, None), ("situv2", 4.0, 25.0), ("situv2", 4.0, None)):
-            launch = _specs("sm_90", "mxfp4", 896, 3584, 384, cfg, act)[index]
-            assert launch.label.startswith("stage1")
+            launch = stage1(cfg, act)
             signature, constexprs, _ = _signature(launch)
             assert signature["beta"] == "fp32" and signature["linear_beta"] == "fp32"
             assert "beta" not in constexprs and "linear_beta" not in constexprs
@@ -133,8 +156,8 @@ def test_activation_and_betas_cannot_share_a_binary():
             hashes[act] = (constexprs["ACT"], report.hash)
         assert len({h for _, h in hashes.values()}) == 3, hashes
         assert len({a for a, _ in hashes.values()}) == 3, hashes
-        a = _specs("sm_90", "mxfp4", 896, 3584, 384, cfg, ("situv2", 4.0, 25.0))[index]
-        b = _specs("sm_90", "mxfp4", 896, 3584, 384, cfg, ("situv2", 2.0, 1.5))[index]
+        a = stage1(cfg, ("situv2", 4.0, 25.0))
+        b = stage1(cfg, ("situv2", 2.0, 1.5))
         assert (a.args["beta"], a.args["linear_beta"]) == (4.0, 25.0)
         assert (b.args["beta"], b.args["linear_beta"]) == (2.0, 1.5)
         assert _signature(a) == _signature(b)  # same binary, betas passed at launch
