@@ -1,14 +1,17 @@
 """Weight-tile loads that decode 4-bit codes in registers (never through HBM).
 
-`load_weight_tile` returns two bf16 tiles [BLOCK_N, BLOCK_K/2]: `wa` holds the
-K elements k0 + 8*(c//4) + c%4 and `wb` the same plus 4 (the first and second
-half of each 32-bit word, see layout.py). Callers load activations with
-`word_k_offsets` so both sides of every dot use the same K order; a dot's sum
-does not care about the order of K.
+A tile is loaded as whole 32-bit words (`load_weight_raw`: int32 [BN, BK/8]
+plus its scales) and decoded word by word (`decode_weight_raw`) into eight
+bf16 tiles v0..v7 [BN, BK/8], v_j holding K = k0 + 8c + j (layout.py). Since
+every element is a whole word, the result is right whatever register layout
+the compiler gives the tile; kernels that multiply the eight slots separately
+("word dots", the FMA path) read the activations in the same word order.
+`load_weight_tile` instead regroups the slots into K order for two dots:
+`wa` holds k0 + 8*(c//4) + c%4 and `wb` the same plus 4 (`word_k_offsets`).
 
 Two decoders read the same bits:
-* DECODE_PTX: inline PTX turning one 32-bit word into four bf16 pairs with
-  shifts, masks and one bf16x2 FMA (NVIDIA sm_80+).
+* DECODE_PTX: inline PTX, one word -> four bf16 pairs with shifts, masks and
+  bf16x2 FMAs (by 2^126, then by the e8m0 scale); NVIDIA sm_80+.
 * DECODE_BITS: plain Triton integer and fp32 ops per element (any target, the
   interpreter included).
 """
