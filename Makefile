@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_FLAGS ?= -q --disable-pip-version-check
 PYTEST ?= $(VENV)/bin/python -m pytest
 
-.PHONY: demo test test-core test-gsm8k test-flydsl venv
+.PHONY: demo test test-core test-triton test-compile-triton test-gsm8k test-flydsl venv
 
 venv: $(VENV)/.installed
 
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/kimi-k3-moe demo
 
-test: test-core test-gsm8k test-flydsl test-vllm test-sglang
+test: test-core test-triton test-compile-triton test-gsm8k test-flydsl test-vllm test-sglang
 
 test-core: venv
 	$(PYTEST) tests/core
@@ -95,3 +95,12 @@ $(VLLM_VENV)/.installed: pyproject.toml
 # would filter our entry point: the suite sets it itself where it needs it.
 test-vllm: venv-vllm
 	env -u VLLM_PLUGINS VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest tests/engines/vllm
+
+# Triton backend: kernels under the CPU interpreter, then ahead-of-time compiles
+# of every table specialisation for sm_90, gfx942 and gfx950 (separate processes:
+# the interpreter must be off for the compiles).
+test-triton: venv
+	TRITON_INTERPRET=1 $(PYTEST) tests/triton
+
+test-compile-triton: venv
+	TRITON_INTERPRET=0 $(PYTEST) tests/compile

@@ -1,0 +1,263 @@
+"""Correctness of the Triton backend on a GPU, against the float64 reference.
+
+At K3's TP8 per-rank shape (H 3584, I 384, E 896, top-16), for each token
+count: fresh random weights, routing and activations; the output tensor (and
+the allocator's free memory) poisoned with NaN before every run; relative L2
+error against the float64 reference over the weights the prepared form
+encodes; MXFP4 and int4; SiLU and SiTUv2 (and their results must differ);
+every path (table/heuristic choice, forced small-batch and aligned paths) and
+both decoders (PTX, portable bits); plus expert parallelism (expert_map),
+int4 with per-group offsets, repeatability and CUDA-graph replay.
+
+    python benchmarks/check_gpu.py [--tokens 1,3,16,64,257,1024,4096] [--out results/check.json]
+
+Exit status 1 when any check fails. Needs a CUDA/ROCm GPU with ~40 GB free.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from dataclasses import replace
+
+from _common import (SHAPES, Recipe, env_info, log, poison_allocator, precompile,
+                     random_experts, random_hidden, random_routing, write_json)
+
+import torch  # noqa: E402
+
+from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
+from kimi_k3_moe.configs.triton_table import heuristic_config  # noqa: E402
+from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
+from kimi_k3_moe.kernels import get_backend  # noqa: E402
+from kimi_k3_moe.kernels.triton.probe import decode_rows  # noqa: E402
+from kimi_k3_moe.reference import dense_moe, relative_l2  # noqa: E402
+from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts  # noqa: E402
+
+TOLERANCE = 1e-2
+MIN_ACT_DIFFERENCE = 5e-2  # SiLU vs SiTUv2 outputs must differ by more than this (relative L2)
+SILU = ActivationSpec.silu()
+SITU = ActivationSpec.situv2(4.0, 25.0)
+
+
+class Checker:
+    def __init__(self, path, header):
+        self.rows = []
+        self.failures = []
+        self.path, self.header = path, header
+
+    def record(self, ok: bool, **row):
+        row["ok"] = bool(ok)
+        self.rows.append(row)
+        if not ok:
+            self.failures.append(row)
+        write_json(self.path, {**self.header, "rows": self.rows, "failures": len(self.failures)})
+        log(("PASS" if ok else "FAIL"), {k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in row.items()
+                                         if k != "ok"})
+
+
+def dequantized_cache(backend, prepared, dtype):
+    """Every expert's float weights (what the prepared form encodes), built in chunks on the GPU."""
+    w13 = torch.empty(prepared.num_experts, 2 * prepared.intermediate_size, prepared.hidden_size,
+                      dtype=dtype, device=prepared.device)
+    w2 = torch.empty(prepared.num_experts, prepared.hidden_size, prepared.intermediate_size,
+                     dtype=dtype, device=prepared.device)
+    for e in range(prepared.num_experts):
+        a, b = backend.dequantize_prepared(prepared, e)
+        w13[e], w2[e] = a, b
+    return w13, w2
+
+
+def reference(cache, hidden, weights, ids, act, expert_map=None):
+    w13, w2 = cache
+    return dense_moe(hidden.double(), lambda e: w13[e].double(), lambda e: w2[e].double(), weights, ids,
+                     act, expert_map, compute_dtype=torch.float64)
+
+
+def run_once(backend, prepared, hidden, weights, ids, act, expert_map=None):
+    poison_allocator()
+    out = torch.full_like(hidden, float("nan"))
+    backend.forward(prepared, hidden, weights, ids, act, expert_map, out=out)
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,3,16,64,257,1024,4096")
+    ap.add_argument("--shape", default="tp8", choices=sorted(SHAPES))
+    ap.add_argument("--out", default="results/check_gpu.json")
+    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--topk", type=int, default=16)
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    topk = args.topk
+    tokens = [int(t) for t in args.tokens.split(",")]
+    shape = SHAPES[args.shape]
+    e, h, i = shape["num_experts"], shape["hidden"], shape["inter"]
+    info = env_info()
+    log("check_gpu", info, "seed", args.seed)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    chk = Checker(args.out, {"info": info, "seed": args.seed, "tolerance": TOLERANCE, "shape": shape})
+
+    experts = random_experts(e, h, i, dev, gen)
+    backends = {"mxfp4": get_backend("triton", weight_format="mxfp4"),
+                "int4": get_backend("triton", weight_format="int4")}
+    ok, why = backends["mxfp4"].available()
+    log("available:", ok, why)
+    if not ok:
+        return 1
+    prepared = {"mxfp4": backends["mxfp4"].prepare(experts)}
+    converted = requantize_experts(experts, progress=False)
+    prepared["int4"] = backends["int4"].prepare(converted)  # the pre-converted Int4Experts route
+    offsets = Int4Experts(
+        Int4Weights(converted.w13.packed, converted.w13.scales, "amax-offset-test",
+                    (torch.randn(converted.w13.scales.shape, device=dev, generator=gen) * 0.01).bfloat16()),
+        Int4Weights(converted.w2.packed, converted.w2.scales, "amax-offset-test",
+                    (torch.randn(converted.w2.scales.shape, device=dev, generator=gen) * 0.01).bfloat16()))
+    prepared["int4+offsets"] = backends["int4"].prepare(offsets)
+    del converted, offsets
+    log("prepared", {k: f"{v.nbytes / 1e9:.2f} GB" for k, v in prepared.items()})
+
+    # Decoders alone: every element of a few rows, bit for bit.
+    for fmt, p in prepared.items():
+        real_fmt = "mxfp4" if fmt == "mxfp4" else "int4"
+        for decode in (("ptx", "bits") if dev == "cuda" else ("bits",)):
+            for ex in (0, e // 2 + 1):
+                rows = slice(0, min(256, p.w13.shape[1]))
+                got = decode_rows(p.w13[ex, rows], p.w13_scale[ex, rows],
+                                  None if p.w13_offset is None else p.w13_offset[ex, rows], real_fmt, decode,
+                                  block_k=128)
+                want = backends[real_fmt].dequantize_prepared(p, ex)[0][rows]
+                want_bf16 = want.bfloat16().float()  # the kernels feed bf16 to the dot
+                bad = int((got != want_bf16).sum())
+                chk.record(bad == 0, check="decode", fmt=fmt, decode=decode, expert=ex, mismatches=bad,
+                           max_abs=float((got - want).abs().max()))
+
+    caches = {"mxfp4": dequantized_cache(backends["mxfp4"], prepared["mxfp4"], torch.bfloat16),
+              "int4": dequantized_cache(backends["int4"], prepared["int4"], torch.float32)}
+    log("dequantized caches ready")
+
+    def variants(t):
+        """(label, backend options) to run at t tokens."""
+        out = [("default", {})]
+        if dev == "cuda" and t in (3, 257):
+            out.append(("default/bits", {"decode": "bits"}))
+        if t <= 3:
+            out.append(("aligned-bm16", {"config": replace(heuristic_config(h, i, 64, is_cuda=dev == "cuda"),
+                                                           block_m=16)}))
+        if t <= 16:
+            out.append(("gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}))
+        if t in (16, 257):
+            base = heuristic_config(h, i, t, is_cuda=dev == "cuda")
+            if base.path == "aligned" and base.stage1.block_k >= 128 and base.stage2.block_k >= 128:
+                out.append(("aligned-worddots", {"config": replace(
+                    base, stage1=replace(base.stage1, interleave=False),
+                    stage2=replace(base.stage2, interleave=False))}))
+        return out
+
+    # Compile everything first, in parallel worker processes.
+    recipes = []
+    for t in tokens:
+        for fmt in ("mxfp4", "int4"):
+            for label, opts in variants(t):
+                be = get_backend("triton", weight_format=fmt, **opts)
+                cfg = be.lookup(prepared[fmt], t).config
+                for act in (SILU, SITU):
+                    recipes.append(Recipe(fmt, e, h, i, t, topk, (act.name, act.beta, act.linear_beta),
+                                          json_dumps(cfg.to_json())))
+    recipes.append(Recipe("int4", e, h, i, 64, topk, ("situv2", 4.0, 25.0),
+                          json_dumps(get_backend("triton", weight_format="int4").lookup(prepared["int4"], 64)
+                                     .config.to_json()), offsets=True))
+    recipes.append(Recipe("mxfp4", e, h, i, 64, topk, ("situv2", 4.0, 25.0),
+                          json_dumps(get_backend("triton").lookup(prepared["mxfp4"], 64).config.to_json()),
+                          expert_map=True))
+    if dev == "cuda":
+        precompile(recipes, args.workers)
+
+    for t in tokens:
+        hidden = random_hidden(t, h, dev, gen)
+        weights, ids = random_routing(t, e, topk, dev, gen)
+        for fmt in ("mxfp4", "int4"):
+            outs = {}
+            for act in (SILU, SITU):
+                ref = reference(caches[fmt], hidden, weights, ids, act)
+                for label, opts in variants(t):
+                    be = get_backend("triton", weight_format=fmt, **opts)
+                    source = be.lookup(prepared[fmt], t).source
+                    try:
+                        out = run_once(be, prepared[fmt], hidden, weights, ids, act)
+                        err = relative_l2(out.float(), ref)
+                        finite = bool(torch.isfinite(out).all())
+                        chk.record(finite and err <= TOLERANCE, check="moe", tokens=t, fmt=fmt, act=act.name,
+                                   variant=label, rel_l2=err, finite=finite, config=source)
+                        outs[(act.name, label)] = out
+                        if label == "default":
+                            again = run_once(be, prepared[fmt], hidden, weights, ids, act)
+                            chk.record(torch.equal(again, out), check="repeatable", tokens=t, fmt=fmt,
+                                       act=act.name)
+                    except Exception as exc:
+                        chk.record(False, check="moe", tokens=t, fmt=fmt, act=act.name, variant=label,
+                                   error=f"{type(exc).__name__}: {exc}"[:300])
+                        traceback.print_exc()
+            for label, _ in variants(t):
+                a, b = outs.get(("silu", label)), outs.get(("situv2", label))
+                if a is not None and b is not None:
+                    diff = relative_l2(a.float(), b.float())
+                    chk.record(diff > MIN_ACT_DIFFERENCE, check="silu!=situ", tokens=t, fmt=fmt, variant=label,
+                               rel_diff=diff)
+
+    # Expert parallelism: odd experts live on another rank.
+    t = 64
+    hidden = random_hidden(t, h, dev, gen)
+    weights, ids = random_routing(t, e, topk, dev, gen)
+    emap = torch.arange(e, device=dev, dtype=torch.int32)
+    emap[1::2] = -1
+    for label, opts in (("default", {}), ("gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")})):
+        be = get_backend("triton", **opts)
+        ref = reference(caches["mxfp4"], hidden, weights, ids, SITU, emap)
+        out = run_once(be, prepared["mxfp4"], hidden, weights, ids, SITU, emap)
+        chk.record(relative_l2(out.float(), ref) <= TOLERANCE, check="expert_map", tokens=t, variant=label,
+                   rel_l2=relative_l2(out.float(), ref))
+
+    # int4 with per-group offsets (asymmetric conversions).
+    p = prepared["int4+offsets"]
+    cache = dequantized_cache(backends["int4"], p, torch.float32)
+    for t, label, opts in ((3, "gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}), (64, "default", {})):
+        hidden = random_hidden(t, h, dev, gen)
+        weights, ids = random_routing(t, e, topk, dev, gen)
+        be = get_backend("triton", weight_format="int4", **opts)
+        ref = reference(cache, hidden, weights, ids, SITU)
+        out = run_once(be, p, hidden, weights, ids, SITU)
+        chk.record(relative_l2(out.float(), ref) <= TOLERANCE, check="int4+offsets", tokens=t, variant=label,
+                   rel_l2=relative_l2(out.float(), ref))
+    del cache
+
+    # CUDA graph capture and replay give the eager result.
+    for t in ((3, 257) if dev == "cuda" else ()):
+        hidden = random_hidden(t, h, dev, gen)
+        weights, ids = random_routing(t, e, topk, dev, gen)
+        be = backends["mxfp4"]
+        eager = run_once(be, prepared["mxfp4"], hidden, weights, ids, SITU)
+        out = torch.full_like(hidden, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            be.forward(prepared["mxfp4"], hidden, weights, ids, SITU, out=out)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        chk.record(torch.equal(out, eager), check="cuda_graph", tokens=t)
+
+    log(f"{len(chk.rows) - len(chk.failures)}/{len(chk.rows)} checks passed; results in {args.out}")
+    return 1 if chk.failures else 0
+
+
+def json_dumps(obj) -> str:
+    import json
+    return json.dumps(obj, sort_keys=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

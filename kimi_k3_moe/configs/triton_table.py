@@ -1,0 +1,201 @@
+"""Tile configurations of the Triton MoE backend: tuned tables and a heuristic.
+
+A table (JSON under configs/tables/, one file per device, written by
+benchmarks/tune_triton.py) maps (weight format, shape E/N/K, token tier) to a
+`MoEConfig`. The lookup rule is the only rule, for every token count:
+
+    tier = the smallest tuned tier >= T, or the largest tier when T exceeds all
+
+so a tuned shape never falls to the heuristic at some token count (K3_FACTS
+defect class 6). Shapes or devices without an entry get `heuristic_config`,
+which is valid for every T too. Plain Python: importing this needs no triton.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+PATHS = ("gemv", "aligned")
+DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
+BLOCK_MS = (16, 32, 64, 128, 256)
+TABLE_PACKAGE = "kimi_k3_moe.configs"
+TABLE_DIR = "tables"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One stage's launch parameters. block_n/block_k are over that stage's N and K."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = True  # aligned path: weights as the MMA's M operand (good for few tokens per tile)
+    interleave: bool = True  # aligned path: restore K order in registers (2 dots) or 8 dots on K = 8c + j
+
+    def validate(self, k: int, what: str, min_block_n: int = 16) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"{what}.{name} = {v} must be a power of two")
+        if self.block_n < min_block_n:
+            raise ValueError(f"{what}.block_n = {self.block_n} must be >= {min_block_n}")
+        if self.block_k < 32 or k % self.block_k:
+            raise ValueError(f"{what}.block_k = {self.block_k} must be >= 32 and divide K = {k}")
+        if not self.interleave and self.block_k < 128:
+            raise ValueError(f"{what}: interleave=False needs block_k >= 128 (8 dots of block_k/8 >= 16)")
+        if self.num_stages < 1:
+            raise ValueError(f"{what}.num_stages = {self.num_stages} must be >= 1")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How the whole MoE runs for one token tier.
+
+    path "gemv": no token alignment; one program per (token, slot) x N tile in
+    stage 1 and per token x N tile (looping over its slots) in stage 2.
+    path "aligned": (token, slot) pairs grouped by expert into blocks of
+    `block_m` rows; both stages are tiled matmuls over those blocks.
+    """
+
+    path: str = "aligned"
+    block_m: int = 16
+    stage1: KernelConfig = field(default_factory=KernelConfig)
+    stage2: KernelConfig = field(default_factory=KernelConfig)
+    decode: str = "bits"
+
+    def validate(self, hidden: int, inter: int) -> "MoEConfig":
+        if self.path not in PATHS:
+            raise ValueError(f"path {self.path!r} not in {PATHS}")
+        if self.decode not in DECODES:
+            raise ValueError(f"decode {self.decode!r} not in {DECODES}")
+        if self.path == "aligned" and self.block_m not in BLOCK_MS:
+            raise ValueError(f"block_m {self.block_m} not in {BLOCK_MS}")
+        min_n = 16 if self.path == "aligned" else 2  # tl.dot needs 16; the FMA path does not
+        self.stage1.validate(hidden, "stage1", min_n)
+        self.stage2.validate(inter, "stage2", min_n)
+        return self
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "MoEConfig":
+        return cls(path=d["path"], block_m=int(d.get("block_m", 16)), decode=d.get("decode", "bits"),
+                   stage1=KernelConfig(**d["stage1"]), stage2=KernelConfig(**d["stage2"]))
+
+    def for_target(self, is_cuda: bool) -> "MoEConfig":
+        """The PTX decode exists on NVIDIA only; elsewhere the portable decode."""
+        return self if is_cuda or self.decode == "bits" else replace(self, decode="bits")
+
+
+@dataclass(frozen=True)
+class Lookup:
+    config: MoEConfig
+    source: str  # "table <file> tier <t>" or "heuristic"
+
+
+def device_key(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia_h200'; 'AMD Instinct MI300X' -> 'amd_instinct_mi300x'."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def shape_key(fmt: str, num_experts: int, n: int, k: int) -> str:
+    """Table key of a layer: weight format and stage-1 shape (E experts, N = 2I, K = H)."""
+    return f"{fmt}/E{num_experts}_N{n}_K{k}"
+
+
+def table_path(dev_key: str) -> Path:
+    return Path(str(resources.files(TABLE_PACKAGE).joinpath(TABLE_DIR, f"triton_{dev_key}.json")))
+
+
+@lru_cache(maxsize=None)
+def load_table(dev_key: str) -> dict | None:
+    path = table_path(dev_key)
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        table = json.load(f)
+    if table.get("format_version") != 1:
+        raise ValueError(f"{path}: unsupported format_version {table.get('format_version')!r}")
+    return table
+
+
+def tiers_of(entry: dict) -> list[int]:
+    return sorted(int(t) for t in entry["tiers"])
+
+
+def pick_tier(tiers: list[int], num_tokens: int) -> int:
+    """The smallest tier >= num_tokens, else the largest (one rule, no edge exceptions)."""
+    if not tiers:
+        raise ValueError("a table entry without tiers")
+    for t in tiers:
+        if num_tokens <= t:
+            return t
+    return tiers[-1]
+
+
+def find_entry(table: dict, fmt: str, num_experts: int, n: int, k: int) -> tuple[str, dict] | None:
+    """Exact shape first; else the same (N, K) tuned with another expert count (EP slices)."""
+    entries = table.get("entries", {})
+    key = shape_key(fmt, num_experts, n, k)
+    if key in entries:
+        return key, entries[key]
+    suffix = f"_N{n}_K{k}"
+    same_nk = sorted(name for name in entries if name.startswith(f"{fmt}/") and name.endswith(suffix))
+    if same_nk:
+        return same_nk[0], entries[same_nk[0]]
+    return None
+
+
+def lookup(dev_key: str, fmt: str, num_experts: int, hidden: int, inter: int, num_tokens: int,
+           *, is_cuda: bool, table: dict | None = None) -> Lookup:
+    """The config for `num_tokens` tokens; valid for every num_tokens >= 0."""
+    table = load_table(dev_key) if table is None else table
+    found = None if table is None else find_entry(table, fmt, num_experts, 2 * inter, hidden)
+    if found is not None:
+        key, entry = found
+        tier = pick_tier(tiers_of(entry), num_tokens)
+        cfg = MoEConfig.from_json(entry["tiers"][str(tier)]).for_target(is_cuda)
+        try:
+            return Lookup(cfg.validate(hidden, inter), f"table {dev_key} {key} tier {tier}")
+        except ValueError as exc:
+            raise ValueError(f"tuned config {dev_key} {key} tier {tier} is invalid for "
+                             f"H={hidden}, I={inter}: {exc}") from exc
+    return Lookup(heuristic_config(hidden, inter, num_tokens, is_cuda=is_cuda), "heuristic")
+
+
+def _fit_block_k(k: int, want: int) -> int:
+    bk = min(want, k)
+    bk = 1 << (bk.bit_length() - 1)
+    while bk > 32 and k % bk:
+        bk //= 2
+    return bk
+
+
+def heuristic_config(hidden: int, inter: int, num_tokens: int, *, is_cuda: bool) -> MoEConfig:
+    """A reasonable config for untuned devices and shapes; valid for any token count."""
+    decode = "ptx" if is_cuda else "bits"
+    stages = 3 if is_cuda else 2
+    if num_tokens <= 8:
+        cfg = MoEConfig(
+            path="gemv", block_m=16, decode=decode,
+            stage1=KernelConfig(block_n=16, block_k=_fit_block_k(hidden, 512), num_warps=4, num_stages=stages),
+            stage2=KernelConfig(block_n=8, block_k=_fit_block_k(inter, 64), num_warps=4, num_stages=stages))
+    else:
+        block_m = 16 if num_tokens <= 64 else 32 if num_tokens <= 512 else 64 if num_tokens <= 2048 else 128
+        swap = block_m <= 64
+        warps = 4 if block_m <= 32 else 8
+        # gfx942 has 64 KB of LDS per workgroup: 128-row activation tiles get K steps of 64 there
+        bk = 64 if not is_cuda and block_m >= 128 else 128
+        cfg = MoEConfig(
+            path="aligned", block_m=block_m, decode=decode,
+            stage1=KernelConfig(block_n=64, block_k=_fit_block_k(hidden, bk), num_warps=warps,
+                                num_stages=stages, swap=swap),
+            stage2=KernelConfig(block_n=64 if block_m <= 32 else 128, block_k=_fit_block_k(inter, bk),
+                                num_warps=warps, num_stages=stages, swap=swap))
+    return cfg.validate(hidden, inter)

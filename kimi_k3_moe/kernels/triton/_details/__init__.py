@@ -1,0 +1,1 @@
+"""Kernel internals of the Triton backend (importing these imports triton)."""

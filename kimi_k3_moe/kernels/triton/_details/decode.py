@@ -1,0 +1,257 @@
+"""Weight-tile loads that decode 4-bit codes in registers (never through HBM).
+
+A tile is loaded as whole 32-bit words (`load_weight_raw`: int32 [BN, BK/8]
+plus its scales) and decoded word by word (`decode_weight_raw`) into eight
+bf16 tiles v0..v7 [BN, BK/8], v_j holding K = k0 + 8c + j (layout.py). Since
+every element is a whole word, the result is right whatever register layout
+the compiler gives the tile; kernels that multiply the eight slots separately
+("word dots", the FMA path) read the activations in the same word order.
+`load_weight_tile` instead regroups the slots into K order for two dots:
+`wa` holds k0 + 8*(c//4) + c%4 and `wb` the same plus 4 (`word_k_offsets`).
+
+Two decoders read the same bits:
+* DECODE_PTX: inline PTX, one word -> four bf16 pairs with shifts, masks and
+  bf16x2 FMAs (by 2^126, then by the e8m0 scale); NVIDIA sm_80+.
+* DECODE_BITS: plain Triton integer and fp32 ops per element (any target, the
+  interpreter included).
+"""
+import triton
+import triton.language as tl
+
+from kimi_k3_moe.kernels.triton._details import constants as C
+from kimi_k3_moe.kernels.triton._details.numerics import to_bf16
+
+
+# globals read inside @jit functions must be constexpr
+FMT_MXFP4 = tl.constexpr(C.FMT_MXFP4)
+FMT_INT4 = tl.constexpr(C.FMT_INT4)
+DECODE_BITS = tl.constexpr(C.DECODE_BITS)
+DECODE_PTX = tl.constexpr(C.DECODE_PTX)
+
+# One 32-bit word of the word layout ($8) -> eight bf16 outputs $0..$7 = v0..v7.
+# tests/triton/test_layout.py runs these strings through a small PTX emulator.
+# MXFP4: each pair's bits are masked into place as bf16 numbers 2^-126 times too
+# small (exact; subnormal for codes 0 and 0.5), one bf16x2 FMA by 2^126 fixes the
+# exponent and a second multiplies by the pair of e8m0 scales ($9, bf16x2).
+E2M1_WORD_PTX = tl.constexpr("""
+        {
+        .reg .b32 a, b, c, d, e, m0, m1, m2, m3, s0, s1, s2, s3, bias, nz;
+        mov.b32 bias, 0x7E807E80;
+        mov.b32 nz, 0x80008000;
+        shl.b32 a, $8, 6;
+        shl.b32 b, $8, 3;
+        shl.b32 c, $8, 2;
+        shl.b32 d, $8, 1;
+        shr.u32 e, $8, 3;
+        and.b32 m2, $8, 0x01C001C0;
+        and.b32 s3, $8, 0x80008000;
+        and.b32 m0, a, 0x01C001C0;
+        and.b32 s0, b, 0x80008000;
+        and.b32 m1, b, 0x01C001C0;
+        and.b32 s1, c, 0x80008000;
+        and.b32 s2, d, 0x80008000;
+        and.b32 m3, e, 0x01C001C0;
+        or.b32 m0, m0, s0;
+        or.b32 m1, m1, s1;
+        or.b32 m2, m2, s2;
+        or.b32 m3, m3, s3;
+        fma.rn.bf16x2 m0, m0, bias, nz;
+        fma.rn.bf16x2 m1, m1, bias, nz;
+        fma.rn.bf16x2 m2, m2, bias, nz;
+        fma.rn.bf16x2 m3, m3, bias, nz;
+        fma.rn.bf16x2 m0, m0, $9, nz;
+        fma.rn.bf16x2 m1, m1, $9, nz;
+        fma.rn.bf16x2 m2, m2, $9, nz;
+        fma.rn.bf16x2 m3, m3, $9, nz;
+        mov.b32 {$0, $1}, m0;
+        mov.b32 {$2, $3}, m1;
+        mov.b32 {$4, $5}, m2;
+        mov.b32 {$6, $7}, m3;
+        }
+        """)
+# int4: nibble n of a pair -> bf16 0x4300 | (n ^ 8) = 136 + q exactly; an FMA
+# subtracts 136, leaving q in [-8, 7] (scale and offset follow in fp32).
+INT4_WORD_PTX = tl.constexpr("""
+        {
+        .reg .b32 a, b, c, d, one, off;
+        mov.b32 one, 0x3F803F80;
+        mov.b32 off, 0xC308C308;
+        and.b32 a, $8, 0x000F000F;
+        shr.u32 b, $8, 4;
+        shr.u32 c, $8, 8;
+        shr.u32 d, $8, 12;
+        and.b32 b, b, 0x000F000F;
+        and.b32 c, c, 0x000F000F;
+        and.b32 d, d, 0x000F000F;
+        xor.b32 a, a, 0x43084308;
+        xor.b32 b, b, 0x43084308;
+        xor.b32 c, c, 0x43084308;
+        xor.b32 d, d, 0x43084308;
+        fma.rn.bf16x2 a, a, one, off;
+        fma.rn.bf16x2 b, b, one, off;
+        fma.rn.bf16x2 c, c, one, off;
+        fma.rn.bf16x2 d, d, one, off;
+        mov.b32 {$0, $1}, a;
+        mov.b32 {$2, $3}, b;
+        mov.b32 {$4, $5}, c;
+        mov.b32 {$6, $7}, d;
+        }
+        """)
+
+
+@triton.jit
+def word_k_offsets(BLOCK_K: tl.constexpr):
+    """K offset (inside a BLOCK_K tile) of column c of `wa`; add 4 for `wb`."""
+    c = tl.arange(0, BLOCK_K // 2)
+    return 8 * (c // 4) + c % 4
+
+
+@triton.jit
+def _e8m0_to_f32(s):
+    # 2^(b-127) built from bits; b = 0 is the subnormal 2^-127.
+    b = s.to(tl.int32)
+    bits = tl.where(b == 0, 1 << 22, b << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_at(w, MAG_SHIFT: tl.constexpr, SIGN_SHIFT: tl.constexpr):
+    mag = (w >> MAG_SHIFT) & 7
+    sign = (w >> SIGN_SHIFT) & 1
+    # magnitudes 2..7 are the normal fp32 numbers with exponent/mantissa bits
+    # (mag + 252) << 22; 0 and 1 are 0.0 and 0.5.
+    normal = ((mag + 252) << 22).to(tl.float32, bitcast=True)
+    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+    return tl.where(sign != 0, -v, v)
+
+
+@triton.jit
+def _int4_at(w, SHIFT: tl.constexpr):
+    n = (w >> SHIFT) & 15
+    return ((n ^ 8) - 8).to(tl.float32)
+
+
+@triton.jit
+def _interleave4(v0, v1, v2, v3, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    # [BN, W] x 4 -> [BN, 4W] with column 4w+i = v_i[:, w]
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BLOCK_N, HALF))
+
+
+@triton.jit
+def _ptx_e2m1_word(w, scale_pair):
+    # w: int32 words; scale_pair: int32, the word's bf16 scale in both halves
+    return tl.inline_asm_elementwise(
+        asm=E2M1_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, scale_pair],
+        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _ptx_int4_word(w):
+    return tl.inline_asm_elementwise(
+        asm=INT4_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[w],
+        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _group_broadcast(s, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, REPEAT: tl.constexpr):
+    # [BN, GROUPS] -> [BN, GROUPS * REPEAT], each group value repeated REPEAT times
+    s3 = tl.broadcast_to(tl.expand_dims(s, 2), (BLOCK_N, GROUPS, REPEAT))
+    return tl.reshape(s3, (BLOCK_N, GROUPS * REPEAT))
+
+
+@triton.jit
+def _scaled(q, sw, ow, HAS_OFFSETS: tl.constexpr):
+    v = q.to(tl.float32) * sw
+    if HAS_OFFSETS:
+        v += ow
+    return to_bf16(v)
+
+
+@triton.jit
+def load_weight_raw(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """The undecoded words [BN, BLOCK_K/8] (int32), scales and offsets [BN, BLOCK_K/32] of K
+    range [k0, k0 + BLOCK_K). row_ptr / s_row_ptr / o_row_ptr: [BN, 1] pointers to each row's
+    codes / scales / offsets; mask_n: [BN, 1] or [BN, BLOCK_K/8]-broadcastable rows to load."""
+    tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale group")
+    g = tl.arange(0, BLOCK_K // 32)
+    cw = tl.arange(0, BLOCK_K // 8)
+    w = tl.load((row_ptr + k0 // 2).to(tl.pointer_type(tl.int32)) + cw[None, :], mask=mask_n, other=0)
+    s = tl.load(s_row_ptr + (k0 // 32 + g)[None, :], mask=mask_n, other=0)
+    if HAS_OFFSETS:
+        o = tl.load(o_row_ptr + (k0 // 32 + g)[None, :], mask=mask_n, other=0)
+    else:
+        o = s
+    return w, s, o
+
+
+@triton.jit
+def decode_weight_raw(w, s, o, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """load_weight_raw's words -> v0..v7, bf16 [BLOCK_N, BLOCK_K/8]: v_j[:, c] is the weight at
+    K = k0 + 8c + j. Every element is a whole 32-bit word, so the result does not depend on how
+    the compiler lays the tile out in registers."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    tl.static_assert(FMT == FMT_MXFP4 or FMT == FMT_INT4, "unknown weight format")
+    tl.static_assert(DECODE == DECODE_BITS or DECODE == DECODE_PTX, "unknown decoder")
+    if FMT == FMT_MXFP4:
+        if DECODE == DECODE_PTX:
+            b = s.to(tl.int32)
+            half = tl.where(b == 0, 0x40, b << 7)  # bf16 bits of 2^(b-127)
+            pair = _group_broadcast(half | (half << 16), BLOCK_N, GROUPS, 4)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair)
+        else:
+            sw = _group_broadcast(_e8m0_to_f32(s), BLOCK_N, GROUPS, 4)
+            v0 = to_bf16(_e2m1_at(w, 0, 12) * sw)
+            v1 = to_bf16(_e2m1_at(w, 16, 28) * sw)
+            v2 = to_bf16(_e2m1_at(w, 3, 13) * sw)
+            v3 = to_bf16(_e2m1_at(w, 19, 29) * sw)
+            v4 = to_bf16(_e2m1_at(w, 6, 14) * sw)
+            v5 = to_bf16(_e2m1_at(w, 22, 30) * sw)
+            v6 = to_bf16(_e2m1_at(w, 9, 15) * sw)
+            v7 = to_bf16(_e2m1_at(w, 25, 31) * sw)
+    else:
+        sw = _group_broadcast(s.to(tl.float32), BLOCK_N, GROUPS, 4)
+        ow = _group_broadcast(o.to(tl.float32), BLOCK_N, GROUPS, 4)
+        if DECODE == DECODE_PTX:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _ptx_int4_word(w)
+        else:
+            q0 = _int4_at(w, 0)
+            q1 = _int4_at(w, 16)
+            q2 = _int4_at(w, 4)
+            q3 = _int4_at(w, 20)
+            q4 = _int4_at(w, 8)
+            q5 = _int4_at(w, 24)
+            q6 = _int4_at(w, 12)
+            q7 = _int4_at(w, 28)
+        v0 = _scaled(q0, sw, ow, HAS_OFFSETS)
+        v1 = _scaled(q1, sw, ow, HAS_OFFSETS)
+        v2 = _scaled(q2, sw, ow, HAS_OFFSETS)
+        v3 = _scaled(q3, sw, ow, HAS_OFFSETS)
+        v4 = _scaled(q4, sw, ow, HAS_OFFSETS)
+        v5 = _scaled(q5, sw, ow, HAS_OFFSETS)
+        v6 = _scaled(q6, sw, ow, HAS_OFFSETS)
+        v7 = _scaled(q7, sw, ow, HAS_OFFSETS)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def load_weight_words(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n,
+                      FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """load_weight_raw then decode_weight_raw: v0..v7, bf16 [BLOCK_N, BLOCK_K/8]."""
+    w, s, o = load_weight_raw(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n, FMT, HAS_OFFSETS, BLOCK_K)
+    return decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def load_weight_tile(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n,
+                     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`load_weight_words` regrouped for dots: (wa, wb), bf16 [BLOCK_N, BLOCK_K // 2];
+    wa[:, c] is the weight at K = k0 + word_k_offsets(c), wb the one 4 further."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n, FMT,
+                                                       HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+    wa = _interleave4(v0, v1, v2, v3, BLOCK_N, BLOCK_K // 2)
+    wb = _interleave4(v4, v5, v6, v7, BLOCK_N, BLOCK_K // 2)
+    return wa, wb

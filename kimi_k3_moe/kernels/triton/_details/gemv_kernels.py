@@ -1,0 +1,142 @@
+"""The small-batch path: no token alignment, fp32 FMA dot products.
+
+Stage 1 runs one program per (token, slot) pair and N tile, its gate and up
+rows interleaved in one tile; stage 2 one program per token and N tile with
+all of the token's slots in one tile (rows = slot x N), summed in a fixed
+order in fp32 (deterministic, no atomics, no per-slot buffer). With a handful
+of tokens nearly every pair has its own expert, so grouping pairs buys
+nothing and its launches cost more than they save.
+
+Weights are decoded word by word: v_j holds K = 8c + j. The activations
+arrive in word order (permute_kernels.py), so the eight slots j read
+contiguous runs and no register shuffles restore K order.
+"""
+import triton
+import triton.language as tl
+
+from kimi_k3_moe.kernels.triton._details.activation import apply_activation
+from kimi_k3_moe.kernels.triton._details.decode import decode_weight_raw, load_weight_raw
+from kimi_k3_moe.kernels.triton._details.numerics import cast_to
+from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
+
+
+@triton.jit
+def _fma_words(acc, x_ptrs, x_mask, v0, v1, v2, v3, v4, v5, v6, v7, W: tl.constexpr):
+    """acc += sum_j v_j * x_j, x in word order: slot j's activations start at x_ptrs + j*W."""
+    acc += v0.to(tl.float32) * tl.load(x_ptrs + 0 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v1.to(tl.float32) * tl.load(x_ptrs + 1 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v2.to(tl.float32) * tl.load(x_ptrs + 2 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v3.to(tl.float32) * tl.load(x_ptrs + 3 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v4.to(tl.float32) * tl.load(x_ptrs + 4 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v5.to(tl.float32) * tl.load(x_ptrs + 5 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v6.to(tl.float32) * tl.load(x_ptrs + 6 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += v7.to(tl.float32) * tl.load(x_ptrs + 7 * W, mask=x_mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def stage1_gemv_kernel(
+    x_ptr, stride_xm,
+    w_ptr, stride_we, stride_wn,
+    s_ptr, stride_se, stride_sn,
+    o_ptr,
+    inter_ptr, stride_im,
+    ids_ptr, map_ptr,
+    inter_size, hidden,
+    beta, linear_beta,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    ACT: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_BLOCK_K: tl.constexpr,
+):
+    """inter[pair, n] = act(gate . x, up . x) for one (token, slot) pair and BLOCK_N columns.
+
+    x is in word order of BLOCK_K tiles; inter is written in word order of OUT_BLOCK_K
+    tiles (stage 2's), or in plain order when OUT_BLOCK_K is 0."""
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + pair).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e).to(tl.int32)
+    if e < 0:
+        return  # expert on another rank: stage 2 skips this slot too
+    e64 = e.to(tl.int64)
+    tok = (pair // TOPK).to(tl.int64)
+    r = tl.arange(0, 2 * BLOCK_N)
+    n = pid_n * BLOCK_N + r // 2          # rows alternate gate n, up n
+    w_row = n + (r % 2) * inter_size
+    mask_r = (n < inter_size)[:, None]
+    w_rows = w_ptr + e64 * stride_we + w_row[:, None].to(tl.int64) * stride_wn
+    so = e64 * stride_se + w_row[:, None].to(tl.int64) * stride_sn
+    cw = tl.arange(0, BLOCK_K // 8)
+    x_words = x_ptr + tok * stride_xm + cw[None, :]
+    acc = tl.zeros((2 * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    # loads run one K step ahead of the arithmetic (these loads feed no dot, so the
+    # compiler's pipeliner leaves them alone; this keeps two steps of bytes in flight).
+    # The step after the last re-reads the last tile (an L2 hit) instead of masking.
+    w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, 0, mask_r, FMT, HAS_OFFSETS, BLOCK_K)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_next = tl.minimum(k0 + BLOCK_K, hidden - BLOCK_K)
+        w_next, s_next, o_next = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k_next, mask_r,
+                                                 FMT, HAS_OFFSETS, BLOCK_K)
+        v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, 2 * BLOCK_N, BLOCK_K)
+        acc = _fma_words(acc, x_words + k0, cw[None, :] >= 0, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
+        w, s, o = w_next, s_next, o_next
+    gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
+    h = apply_activation(gate, up, beta, linear_beta, ACT)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if OUT_BLOCK_K > 0:
+        dest = word_position(offs_n, OUT_BLOCK_K)
+    else:
+        dest = offs_n
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + dest, cast_to(h, inter_ptr.dtype.element_ty),
+             mask=offs_n < inter_size)
+
+
+@triton.jit
+def stage2_gemv_kernel(
+    inter_ptr, stride_im,
+    w_ptr, stride_we, stride_wn,
+    s_ptr, stride_se, stride_sn,
+    o_ptr,
+    out_ptr, stride_om,
+    ids_ptr, map_ptr, topk_w_ptr,
+    hidden, inter_size,
+    TOPK: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[t, n] = sum over slots of router_weight * (W2_e[n] . inter[pair]), fp32, fixed order.
+
+    inter is in word order of BLOCK_K tiles. One tile holds every slot of the token (rows = SLOTS x BLOCK_N, SLOTS = TOPK rounded up
+    to a power of two), so all of the token's experts stream at once.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    r = tl.arange(0, SLOTS * BLOCK_N)
+    slot = r // BLOCK_N
+    n = pid_n * BLOCK_N + r % BLOCK_N
+    pair = t * TOPK + slot
+    e = tl.load(ids_ptr + pair, mask=slot < TOPK, other=-1).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e, mask=e >= 0, other=-1).to(tl.int32)
+    here = (e >= 0) & (n < hidden)
+    e64 = tl.maximum(e, 0).to(tl.int64)
+    w_rows = w_ptr + e64[:, None] * stride_we + n[:, None].to(tl.int64) * stride_wn
+    so = e64[:, None] * stride_se + n[:, None].to(tl.int64) * stride_sn
+    cw = tl.arange(0, BLOCK_K // 8)
+    x_words = inter_ptr + pair[:, None] * stride_im + cw[None, :]
+    x_mask = here[:, None] & (cw[None, :] >= 0)
+    acc = tl.zeros((SLOTS * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, 0, here[:, None], FMT, HAS_OFFSETS, BLOCK_K)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_next = tl.minimum(k0 + BLOCK_K, inter_size - BLOCK_K)
+        w_next, s_next, o_next = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k_next, here[:, None],
+                                                 FMT, HAS_OFFSETS, BLOCK_K)
+        v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE,
+                                                           SLOTS * BLOCK_N, BLOCK_K)
+        acc = _fma_words(acc, x_words + k0, x_mask, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
+        w, s, o = w_next, s_next, o_next
+    gate = tl.load(topk_w_ptr + pair, mask=slot < TOPK, other=0.0).to(tl.float32)
+    per_row = tl.where(here, tl.sum(acc, axis=1) * gate, 0.0)
+    total = tl.sum(tl.reshape(per_row, (SLOTS, BLOCK_N)), axis=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + t * stride_om + offs_n, cast_to(total, out_ptr.dtype.element_ty), mask=offs_n < hidden)

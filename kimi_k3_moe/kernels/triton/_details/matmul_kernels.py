@@ -1,0 +1,218 @@
+"""Tiled stage-1 / stage-2 matmuls over expert-aligned row blocks, and the
+deterministic top-k reduction.
+
+Grids are (max_blocks, N tiles); programs whose block lies past the real
+number of rows (known only on the device) exit at once, so a launch never
+needs the host to read a count and CUDA-graph capture works.
+
+SWAP computes W @ X^T instead of X @ W^T: with few tokens per block the weight
+tile is the larger operand and fills the MMA's M dimension.
+"""
+import triton
+import triton.language as tl
+
+from kimi_k3_moe.kernels.triton._details.activation import apply_activation
+from kimi_k3_moe.kernels.triton._details.decode import load_weight_tile, load_weight_words, word_k_offsets
+from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
+from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
+
+
+@triton.jit
+def _acc_dot(acc, xa, xb, wa, wb, SWAP: tl.constexpr):
+    xa = dot_operand(xa)
+    xb = dot_operand(xb)
+    wa = dot_operand(wa)
+    wb = dot_operand(wb)
+    if SWAP:
+        acc = tl.dot(wa, tl.trans(xa), acc)
+        acc = tl.dot(wb, tl.trans(xb), acc)
+    else:
+        acc = tl.dot(xa, tl.trans(wa), acc)
+        acc = tl.dot(xb, tl.trans(wb), acc)
+    return acc
+
+
+@triton.jit
+def _dot1(acc, x, v, SWAP: tl.constexpr):
+    x = dot_operand(x)
+    v = dot_operand(v)
+    if SWAP:
+        acc = tl.dot(v, tl.trans(x), acc)
+    else:
+        acc = tl.dot(x, tl.trans(v), acc)
+    return acc
+
+
+@triton.jit
+def _load_x_words(x_ptrs, mask, W: tl.constexpr):
+    """Activations in word order: slot j's [rows, W] run starts at x_ptrs + j*W (bf16)."""
+    x0 = cast_to(tl.load(x_ptrs + 0 * W, mask=mask, other=0.0), tl.bfloat16)
+    x1 = cast_to(tl.load(x_ptrs + 1 * W, mask=mask, other=0.0), tl.bfloat16)
+    x2 = cast_to(tl.load(x_ptrs + 2 * W, mask=mask, other=0.0), tl.bfloat16)
+    x3 = cast_to(tl.load(x_ptrs + 3 * W, mask=mask, other=0.0), tl.bfloat16)
+    x4 = cast_to(tl.load(x_ptrs + 4 * W, mask=mask, other=0.0), tl.bfloat16)
+    x5 = cast_to(tl.load(x_ptrs + 5 * W, mask=mask, other=0.0), tl.bfloat16)
+    x6 = cast_to(tl.load(x_ptrs + 6 * W, mask=mask, other=0.0), tl.bfloat16)
+    x7 = cast_to(tl.load(x_ptrs + 7 * W, mask=mask, other=0.0), tl.bfloat16)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP: tl.constexpr):
+    """acc += sum_j x_j . v_j: eight dots over the word-strided K views (no weight shuffles)."""
+    acc = _dot1(acc, x0, v0, SWAP)
+    acc = _dot1(acc, x1, v1, SWAP)
+    acc = _dot1(acc, x2, v2, SWAP)
+    acc = _dot1(acc, x3, v3, SWAP)
+    acc = _dot1(acc, x4, v4, SWAP)
+    acc = _dot1(acc, x5, v5, SWAP)
+    acc = _dot1(acc, x6, v6, SWAP)
+    acc = _dot1(acc, x7, v7, SWAP)
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def stage1_aligned_kernel(
+    x_ptr, stride_xm,
+    w_ptr, stride_we, stride_wn,
+    s_ptr, stride_se, stride_sn,
+    o_ptr,
+    inter_ptr, stride_im,
+    sorted_ptr, block_expert_ptr, num_rows_ptr,
+    num_pairs, inter_size, hidden,
+    beta, linear_beta,
+    TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
+    DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BLOCK_K: tl.constexpr,
+):
+    """inter[row, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
+
+    INTERLEAVE: x in plain order, weights regrouped in registers; else x in word order of
+    BLOCK_K tiles and eight dots per step. inter goes out in word order of OUT_BLOCK_K tiles
+    (what stage 2's word dots read), or plain when OUT_BLOCK_K is 0."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < num_pairs
+    tok = (pair // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = (offs_n < inter_size)[:, None]
+    ka = word_k_offsets(BLOCK_K)
+    x_rows = x_ptr + tok[:, None] * stride_xm
+    gate_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + inter_size * stride_wn
+    gate_so = e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+    up_so = gate_so + inter_size * stride_sn
+    gate_s = s_ptr + gate_so
+    up_s = s_ptr + up_so
+    gate_o = o_ptr + gate_so
+    up_o = o_ptr + up_so
+    if SWAP:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_words = x_rows + tl.arange(0, BLOCK_K // 8)[None, :]
+    for k0 in range(0, hidden, BLOCK_K):
+        if INTERLEAVE:
+            xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+            xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+            ga, gb = load_weight_tile(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
+                                      BLOCK_N, BLOCK_K)
+            ua, ub = load_weight_tile(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
+                                      BLOCK_N, BLOCK_K)
+            acc_g = _acc_dot(acc_g, xa, xb, ga, gb, SWAP)
+            acc_u = _acc_dot(acc_u, xa, xb, ua, ub, SWAP)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(x_words + k0, row_ok[:, None], BLOCK_K // 8)
+            g0, g1, g2, g3, g4, g5, g6, g7 = load_weight_words(gate_rows, gate_s, gate_o, k0, mask_n, FMT,
+                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            acc_g = _word_dots(acc_g, x0, x1, x2, x3, x4, x5, x6, x7, g0, g1, g2, g3, g4, g5, g6, g7, SWAP)
+            u0, u1, u2, u3, u4, u5, u6, u7 = load_weight_words(up_rows, up_s, up_o, k0, mask_n, FMT,
+                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            acc_u = _word_dots(acc_u, x0, x1, x2, x3, x4, x5, x6, x7, u0, u1, u2, u3, u4, u5, u6, u7, SWAP)
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    h = apply_activation(acc_g, acc_u, beta, linear_beta, ACT)
+    if OUT_BLOCK_K > 0:
+        dest = word_position(offs_n, OUT_BLOCK_K)
+    else:
+        dest = offs_n
+    out = inter_ptr + rows[:, None].to(tl.int64) * stride_im + dest[None, :]
+    tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=(offs_n < inter_size)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def stage2_aligned_kernel(
+    inter_ptr, stride_im,
+    w_ptr, stride_we, stride_wn,
+    s_ptr, stride_se, stride_sn,
+    o_ptr,
+    y_ptr, stride_ym,
+    topk_w_ptr,
+    sorted_ptr, block_expert_ptr, num_rows_ptr,
+    num_pairs, hidden, inter_size,
+    FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
+    INTERLEAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[pair, n] = router_weight[pair] * (inter[row] . W2_e[n]), stored per (token, slot) pair."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = (offs_n < hidden)[:, None]
+    ka = word_k_offsets(BLOCK_K)
+    a_rows = inter_ptr + rows[:, None].to(tl.int64) * stride_im
+    w_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    so = e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+    s_rows = s_ptr + so
+    o_rows = o_ptr + so
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_words = a_rows + tl.arange(0, BLOCK_K // 8)[None, :]
+    for k0 in range(0, inter_size, BLOCK_K):
+        if INTERLEAVE:
+            xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :]), tl.bfloat16)
+            xb = cast_to(tl.load(a_rows + (k0 + 4 + ka)[None, :]), tl.bfloat16)
+            wa, wb = load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
+                                      BLOCK_N, BLOCK_K)
+            acc = _acc_dot(acc, xa, xb, wa, wb, SWAP)
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, rows[:, None] >= 0, BLOCK_K // 8)
+            v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT,
+                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            acc = _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP)
+    if SWAP:
+        acc = tl.trans(acc)
+    gate = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * gate[:, None]
+    out = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(out, cast_to(acc, y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < hidden)[None, :])
+
+
+@triton.jit
+def topk_reduce_kernel(y_ptr, stride_ym, local_ptr, out_ptr, stride_om, hidden,
+                       TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t] = sum over slots s (in slot order, fp32) of y[t*TOPK + s]; absent slots add nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs < hidden
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in tl.static_range(TOPK):
+        e = tl.load(local_ptr + t * TOPK + s)
+        v = tl.load(y_ptr + (t * TOPK + s) * stride_ym + offs, mask=mask & ((offs * 0 + e) >= 0), other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + t * stride_om + offs, cast_to(acc, out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,32 @@
+"""Activations in the word order of the weights.
+
+The word layout puts K = 8c + j of a BLOCK_K tile in word c, slot j. Kernels
+that multiply the eight slots separately (word dots, the FMA path) want the
+activations of one slot contiguous: within each BLOCK_K tile, column
+k0 + 8c + j moves to k0 + j*(BLOCK_K/8) + c. `permute_words_kernel` does this
+for the layer input; stage 1 writes its output in this order directly when
+stage 2 reads it that way (`word_position`).
+"""
+import triton
+import triton.language as tl
+
+from kimi_k3_moe.kernels.triton._details.numerics import cast_to
+
+
+@triton.jit
+def word_position(k, BLOCK_K: tl.constexpr):
+    """Where column k lands in the word order of BLOCK_K tiles."""
+    W: tl.constexpr = BLOCK_K // 8
+    return (k // BLOCK_K) * BLOCK_K + (k % 8) * W + (k % BLOCK_K) // 8
+
+
+@triton.jit
+def permute_words_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.constexpr):
+    """out[t] = x[t] in word order (bf16); one program per (row, BLOCK_K tile)."""
+    W: tl.constexpr = BLOCK_K // 8
+    t = tl.program_id(0).to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    c = tl.arange(0, W)
+    j = tl.arange(0, 8)
+    v = tl.load(x_ptr + t * stride_xm + k0 + 8 * c[:, None] + j[None, :])
+    tl.store(out_ptr + t * stride_om + k0 + j[:, None] * W + c[None, :], cast_to(tl.trans(v), tl.bfloat16))

@@ -1,0 +1,187 @@
+"""`get_backend("triton", weight_format="mxfp4"|"int4")`: the Triton MoE backend.
+
+forward = token alignment (or none, on the small-batch path) -> stage 1
+(gate/up with SiLU or SiTUv2 in the epilogue) -> stage 2 (down projection,
+router weight, fixed-order fp32 top-k sum). Tile configs come from the tuned
+table of this device (configs/tables/triton_<device>.json) or a heuristic.
+Nothing in forward reads device memory from the host, so it can be captured
+in a CUDA graph.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import lru_cache
+
+import torch
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.configs import triton_table
+from kimi_k3_moe.configs.triton_table import Lookup, MoEConfig
+from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
+from kimi_k3_moe.kernels.triton.layout import INT4, MXFP4, WEIGHT_FORMATS, TritonExperts, from_int4, from_mxfp4
+from kimi_k3_moe.reference import check_routing
+from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+
+ENV_INTERPRET = "TRITON_INTERPRET"
+DEFAULT_CHUNK_TOKENS = 16384
+HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreter_on() -> bool:
+    return os.environ.get(ENV_INTERPRET, "0") == "1"
+
+
+class TritonBackend(MoEBackend):
+    name = "triton"
+
+    def __init__(self, weight_format: str = MXFP4, int4_method: str = "amax", *,
+                 config: MoEConfig | None = None, decode: str | None = None,
+                 table: dict | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        """`config` pins one MoEConfig for every batch (tests, tuner); `decode`
+        ("ptx"|"bits") overrides the table's decoder; `table` replaces the
+        packaged table; batches above `chunk_tokens` run in chunks (bounds the
+        per-pair buffers)."""
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"triton backend: weight_format {weight_format!r} not in {WEIGHT_FORMATS}")
+        if decode not in (None, *triton_table.DECODES):
+            raise ValueError(f"triton backend: decode {decode!r} not in {triton_table.DECODES}")
+        if chunk_tokens < 1:
+            raise ValueError(f"triton backend: chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.weight_format = weight_format
+        self.int4_method = int4_method
+        self.config = config
+        self.decode = decode
+        self.table = table
+        self.chunk_tokens = chunk_tokens
+
+    def describe(self) -> str:
+        return f"{self.name}[{self.weight_format}]"
+
+    # -- where it runs --------------------------------------------------
+    def available(self) -> tuple[bool, str]:
+        if importlib.util.find_spec("triton") is None:
+            return False, "the triton package is not installed (pip install 'kimi-k3-moe[triton]')"
+        if interpreter_on():
+            return True, "Triton interpreter (TRITON_INTERPRET=1): CPU tensors, tiny shapes, tests only"
+        if not torch.cuda.is_available():
+            return False, ("no GPU visible to PyTorch (torch.cuda.is_available() is False); the Triton "
+                           "kernels need an NVIDIA sm_80+ or AMD GPU (TRITON_INTERPRET=1 runs them on "
+                           "the CPU interpreter, for tests only)")
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if not getattr(torch.version, "hip", None) and (props.major, props.minor) < (8, 0):
+            return False, f"{props.name} is sm_{props.major}{props.minor}; the Triton kernels need sm_80 or newer"
+        import triton
+        return True, f"Triton {triton.__version__} on {props.name}"
+
+    @staticmethod
+    def _target(device: torch.device) -> tuple[str, bool]:
+        """(device key for the config table, whether the PTX decoder can run)."""
+        if device.type != "cuda":
+            return "interpreter", False
+        name = torch.cuda.get_device_name(device)
+        return triton_table.device_key(name), not getattr(torch.version, "hip", None)
+
+    # -- weights --------------------------------------------------------
+    def prepare(self, experts) -> TritonExperts:
+        """MXFP4 ExpertWeights (converted to int4 when weight_format="int4"), or
+        already converted Int4Experts, -> the kernels' word layout."""
+        if isinstance(experts, TritonExperts):
+            prepared = experts
+        elif isinstance(experts, Int4Experts):
+            if self.weight_format != INT4:
+                raise ValueError("triton backend: got Int4Experts but weight_format is "
+                                 f"{self.weight_format!r}; build the backend with weight_format='int4'")
+            prepared = from_int4(experts.w13, experts.w2)
+        elif isinstance(experts, ExpertWeights):
+            if self.weight_format == INT4:
+                converted = requantize_experts(experts, method=self.int4_method)
+                prepared = from_int4(converted.w13, converted.w2)
+            else:
+                prepared = from_mxfp4(*experts.tensors())
+        else:
+            raise TypeError("triton backend: prepare() takes ExpertWeights, Int4Experts or TritonExperts, "
+                            f"got {type(experts).__name__}")
+        if prepared.fmt != self.weight_format:
+            raise ValueError(f"triton backend: prepared experts are {prepared.fmt}, backend is {self.weight_format}")
+        return prepared
+
+    def dequantize_prepared(self, prepared: TritonExperts, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return prepared.dequantize(expert)
+
+    # -- configs --------------------------------------------------------
+    def lookup(self, prepared: TritonExperts, num_tokens: int) -> Lookup:
+        dev_key, is_cuda = self._target(prepared.device)
+        if self.config is not None:
+            found = Lookup(self.config.for_target(is_cuda), "pinned")
+        else:
+            found = _cached_lookup(dev_key, prepared.fmt, prepared.num_experts, prepared.hidden_size,
+                                   prepared.intermediate_size, num_tokens, is_cuda, self.table)
+        if self.decode is not None and self.decode != found.config.decode:
+            cfg = MoEConfig(found.config.path, found.config.block_m, found.config.stage1,
+                            found.config.stage2, self.decode).for_target(is_cuda)
+            found = Lookup(cfg, found.source + f" decode={cfg.decode}")
+        return found
+
+    # -- running --------------------------------------------------------
+    def plan(self, prepared: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, activation: ActivationSpec, expert_map: torch.Tensor | None,
+             out: torch.Tensor):
+        """The launches for one chunk (<= chunk_tokens tokens); used by forward and the benchmarks."""
+        from kimi_k3_moe.kernels.triton.moe import plan_moe
+        cfg = self.lookup(prepared, hidden.shape[0]).config
+        return plan_moe(prepared, hidden, topk_weights, topk_ids, activation, expert_map, out, cfg)
+
+    def forward(self, prepared: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, activation: ActivationSpec,
+                expert_map: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out` ([T, H], hidden's dtype), when given, receives the result (every element is written)."""
+        if not isinstance(prepared, TritonExperts):
+            raise TypeError(f"triton backend: forward() needs prepare()'s result, got {type(prepared).__name__}")
+        hidden, topk_weights, topk_ids, expert_map = self._check_inputs(
+            prepared, hidden, topk_weights, topk_ids, expert_map)
+        if out is None:
+            out = torch.empty_like(hidden)
+        elif out.shape != hidden.shape or out.dtype != hidden.dtype or out.device != hidden.device \
+                or out.stride(-1) != 1:
+            raise ValueError(f"out must be a row-major {tuple(hidden.shape)} {hidden.dtype} tensor on "
+                             f"{hidden.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+        for start in range(0, hidden.shape[0], self.chunk_tokens):
+            stop = min(hidden.shape[0], start + self.chunk_tokens)
+            for launch in self.plan(prepared, hidden[start:stop], topk_weights[start:stop],
+                                    topk_ids[start:stop], activation, expert_map, out[start:stop]):
+                launch()
+        return out
+
+    def _check_inputs(self, prepared, hidden, topk_weights, topk_ids, expert_map):
+        check_routing(hidden, topk_weights, topk_ids)
+        if hidden.dtype not in HIDDEN_DTYPES:
+            raise TypeError(f"hidden must be one of {HIDDEN_DTYPES}, got {hidden.dtype}")
+        if hidden.shape[1] != prepared.hidden_size:
+            raise ValueError(f"hidden has {hidden.shape[1]} features, the experts take {prepared.hidden_size}")
+        for name, t in (("hidden", hidden), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
+                        ("expert_map", expert_map)):
+            if t is not None and t.device != prepared.device:
+                raise ValueError(f"{name} is on {t.device}, the experts on {prepared.device}")
+        if not topk_weights.is_floating_point():
+            raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+        if expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"expert_map must be int32 or int64, got {expert_map.dtype}")
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
+        return hidden, topk_weights.contiguous(), topk_ids.contiguous(), \
+            None if expert_map is None else expert_map.contiguous()
+
+
+@lru_cache(maxsize=4096)
+def _cached_lookup_inner(dev_key, fmt, e, h, i, t, is_cuda) -> Lookup:
+    return triton_table.lookup(dev_key, fmt, e, h, i, t, is_cuda=is_cuda)
+
+
+def _cached_lookup(dev_key, fmt, e, h, i, t, is_cuda, table) -> Lookup:
+    if table is not None:
+        return triton_table.lookup(dev_key, fmt, e, h, i, t, is_cuda=is_cuda, table=table)
+    return _cached_lookup_inner(dev_key, fmt, e, h, i, t, is_cuda)
+
+
+__all__ = ["TritonBackend", "BackendUnavailable"]

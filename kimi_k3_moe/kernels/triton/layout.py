@@ -1,0 +1,188 @@
+"""The Triton backend's weight layouts: 4-bit codes regrouped per 32-bit word.
+
+Both formats keep their tensor shapes ([E, N, K/2] uint8 codes, one scale per
+32 along K) and only move bits inside each little-endian 32-bit word, which
+holds the 8 consecutive K elements v0..v7 of one row. The order is chosen so
+that a few shifts and masks per word yield bf16 *pairs* (v0,v1), (v2,v3),
+(v4,v5), (v6,v7) with no per-element work (see `_details/decode.py`):
+
+* MXFP4 word: for j in 0..3, v(2j) keeps its 3 magnitude bits at bits 3j..3j+2
+  and its sign at bit 12+j; v(2j+1) the same 16 bits higher.
+* int4 word: v(2j) is the nibble at bits 4j, v(2j+1) the nibble at bits 16+4j.
+
+Scales (e8m0 bytes for MXFP4, bf16 scales and optional offsets for int4) keep
+the checkpoint's [E, N, K/32] layout. Everything here is plain PyTorch, so the
+layout is checked bit for bit on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kimi_k3_moe.formats import int4, mxfp4
+
+MXFP4 = "mxfp4"
+INT4 = "int4"
+WEIGHT_FORMATS = (MXFP4, INT4)
+WORD = 8  # K elements per 32-bit word
+
+# bit offsets inside a word of element v0..v7
+_MXFP4_MAG_SHIFT = tuple(3 * (j // 2) + 16 * (j % 2) for j in range(WORD))
+_MXFP4_SIGN_SHIFT = tuple(12 + j // 2 + 16 * (j % 2) for j in range(WORD))
+_INT4_SHIFT = tuple(4 * (j // 2) + 16 * (j % 2) for j in range(WORD))
+
+
+def _words_from_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """uint8 codes [..., K] (values < 16) -> uint8 [..., K/2] in the word layout."""
+    if codes.shape[-1] % WORD:
+        raise ValueError(f"K ({codes.shape[-1]}) must be a multiple of {WORD}")
+    c = codes.to(torch.int64).unflatten(-1, (-1, WORD))
+    word = torch.zeros(c.shape[:-1], dtype=torch.int64, device=codes.device)
+    for j in range(WORD):
+        if fmt == MXFP4:
+            word |= (c[..., j] & 7) << _MXFP4_MAG_SHIFT[j]
+            word |= ((c[..., j] >> 3) & 1) << _MXFP4_SIGN_SHIFT[j]
+        else:
+            word |= (c[..., j] & 15) << _INT4_SHIFT[j]
+    # int64 -> little-endian bytes of the low 32 bits
+    word32 = (word - ((word >> 31) & 1) * (1 << 32)).to(torch.int32)
+    return word32.contiguous().view(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2)
+
+
+def _codes_from_words(words: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Inverse of `_words_from_codes`: uint8 [..., K/2] -> uint8 codes [..., K]."""
+    if words.shape[-1] % 4:
+        raise ValueError(f"packed row length {words.shape[-1]} is not a whole number of words")
+    w = words.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    parts = []
+    for j in range(WORD):
+        if fmt == MXFP4:
+            mag = (w >> _MXFP4_MAG_SHIFT[j]) & 7
+            sign = (w >> _MXFP4_SIGN_SHIFT[j]) & 1
+            parts.append(mag | (sign << 3))
+        else:
+            parts.append((w >> _INT4_SHIFT[j]) & 15)
+    return torch.stack(parts, dim=-1).flatten(-2).to(torch.uint8)
+
+
+def to_word_layout(packed: torch.Tensor, fmt: str, *, chunk_bytes: int = 64 << 20) -> torch.Tensor:
+    """Checkpoint nibble order (element 2j low, 2j+1 high) -> the word layout.
+
+    Works through dim 0 in chunks so scratch memory stays near 16x `chunk_bytes`.
+    """
+    _check_fmt(fmt)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
+    if packed.dim() < 2:
+        return _words_from_codes(mxfp4.unpack_nibbles(packed), fmt)
+    out = torch.empty_like(packed)
+    step = max(1, chunk_bytes // max(1, packed[0].numel()))
+    for start in range(0, packed.shape[0], step):
+        out[start:start + step] = _words_from_codes(mxfp4.unpack_nibbles(packed[start:start + step]), fmt)
+    return out
+
+
+def from_word_layout(words: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The word layout -> checkpoint nibble order."""
+    _check_fmt(fmt)
+    return mxfp4.pack_nibbles(_codes_from_words(words, fmt))
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {fmt!r} not in {WEIGHT_FORMATS}")
+
+
+@dataclass
+class TritonExperts:
+    """A layer's experts as the Triton kernels read them.
+
+    w13 [E, 2I, H/2] (gate rows first) and w2 [E, H, I/2] hold codes in the
+    word layout; *_scale are e8m0 uint8 (MXFP4) or bf16 (int4) [.., K/32];
+    *_offset are bf16 [.., K/32] for asymmetric int4 and None otherwise.
+    """
+
+    fmt: str
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w13_offset: torch.Tensor | None = None
+    w2_offset: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        _check_fmt(self.fmt)
+        e, two_i, half_h = self.w13.shape
+        if tuple(self.w2.shape) != (e, half_h * 2, two_i // 4):
+            raise ValueError(f"w2 shape {tuple(self.w2.shape)} does not match w13 {tuple(self.w13.shape)}")
+        scale_dtype = torch.uint8 if self.fmt == MXFP4 else torch.bfloat16
+        for name, codes in (("w13", self.w13), ("w2", self.w2)):
+            expected = (*codes.shape[:-1], codes.shape[-1] * 2 // mxfp4.BLOCK_SIZE)
+            for suffix in ("scale", "offset"):
+                t = getattr(self, f"{name}_{suffix}")
+                if t is None:
+                    if suffix == "scale":
+                        raise ValueError(f"TritonExperts.{name}_scale is required")
+                    continue
+                if suffix == "offset" and self.fmt == MXFP4:
+                    raise ValueError("MXFP4 experts carry no offsets")
+                if t.dtype != scale_dtype or tuple(t.shape) != expected:
+                    raise ValueError(f"TritonExperts.{name}_{suffix}: {t.dtype} {tuple(t.shape)}, "
+                                     f"expected {scale_dtype} {expected}")
+        if (self.w13_offset is None) != (self.w2_offset is None):
+            raise ValueError("int4 offsets must be given for both w13 and w2 or for neither")
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2] * 2
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def has_offsets(self) -> bool:
+        return self.w13_offset is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+    def tensors(self):
+        return (self.w13, self.w13_scale, self.w2, self.w2_scale, self.w13_offset, self.w2_offset)
+
+    def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (w13 [2I, H], w2 [H, I]) of one expert, decoded from this layout."""
+        out = []
+        for name in ("w13", "w2"):
+            codes = from_word_layout(getattr(self, name)[expert], self.fmt)
+            scale = getattr(self, f"{name}_scale")[expert]
+            if self.fmt == MXFP4:
+                out.append(mxfp4.dequantize(codes, scale, name=f"{name}[{expert}]"))
+            else:
+                offset = getattr(self, f"{name}_offset")
+                offset = None if offset is None else offset[expert]
+                out.append(int4.Int4Weights(codes, scale, offsets=offset).dequantize())
+        return out[0], out[1]
+
+
+def from_mxfp4(w13_packed, w13_scale, w2_packed, w2_scale) -> TritonExperts:
+    return TritonExperts(MXFP4, to_word_layout(w13_packed, MXFP4), w13_scale.contiguous(),
+                         to_word_layout(w2_packed, MXFP4), w2_scale.contiguous())
+
+
+def from_int4(w13: int4.Int4Weights, w2: int4.Int4Weights) -> TritonExperts:
+    def off(t):
+        return None if t.offsets is None else t.offsets.contiguous()
+    return TritonExperts(INT4, to_word_layout(w13.packed, INT4), w13.scales.contiguous(),
+                         to_word_layout(w2.packed, INT4), w2.scales.contiguous(),
+                         off(w13), off(w2))

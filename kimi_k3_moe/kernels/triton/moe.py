@@ -1,0 +1,35 @@
+"""The whole routed-expert MoE for one chunk of tokens, as a list of launches."""
+from __future__ import annotations
+
+import torch
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.configs.triton_table import MoEConfig
+from kimi_k3_moe.kernels.triton.alignment import align_launches
+from kimi_k3_moe.kernels.triton.launch import Launch
+from kimi_k3_moe.kernels.triton.layout import TritonExperts
+from kimi_k3_moe.kernels.triton.stage1 import stage1_aligned, stage1_gemv, word_order
+from kimi_k3_moe.kernels.triton.stage2 import stage2_aligned, stage2_gemv
+
+
+def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, activation: ActivationSpec, expert_map: torch.Tensor | None,
+             out: torch.Tensor, config: MoEConfig) -> list[Launch]:
+    """Launches computing `out` ([T, H], written in full) in order; buffers are allocated here."""
+    config.validate(experts.hidden_size, experts.intermediate_size)
+    s1_cfg, s2_cfg = config.stage1, config.stage2
+    if config.path == "gemv":  # both stages read their activations in word order
+        x, permute = word_order(hidden, s1_cfg.block_k)
+        inter, s1 = stage1_gemv(experts, x, topk_ids, expert_map, activation, s1_cfg, config.decode,
+                                out_block_k=s2_cfg.block_k)
+        return [permute, s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
+                                          s2_cfg, config.decode)]
+    pairs, align = align_launches(topk_ids, expert_map, experts.num_experts, config.block_m)
+    launches = list(align)
+    x = hidden
+    if not s1_cfg.interleave:
+        x, permute = word_order(hidden, s1_cfg.block_k)
+        launches.append(permute)
+    inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode,
+                               out_block_k=0 if s2_cfg.interleave else s2_cfg.block_k)
+    return [*launches, s1, *stage2_aligned(experts, inter, pairs, topk_weights, out, s2_cfg, config.decode)]

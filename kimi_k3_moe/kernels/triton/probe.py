@@ -1,0 +1,26 @@
+"""Decode a prepared weight matrix with the kernels' decoder (for tests and GPU checks)."""
+from __future__ import annotations
+
+import torch
+
+from kimi_k3_moe.kernels.triton._details import constants as C
+from kimi_k3_moe.kernels.triton.launch import cdiv
+from kimi_k3_moe.kernels.triton.layout import MXFP4
+
+_DECODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
+
+
+def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, fmt: str,
+                decode: str = "bits", block_n: int = 16, block_k: int = 64) -> torch.Tensor:
+    """[rows, K/2] word-layout codes (+ scales, offsets) -> fp32 [rows, K], through the kernels' decoder."""
+    from kimi_k3_moe.kernels.triton._details.probe_kernels import decode_probe_kernel
+    rows, half = words.shape
+    k = half * 2
+    if k % block_k:
+        raise ValueError(f"K = {k} is not a multiple of block_k = {block_k}")
+    out = torch.empty(rows, k, dtype=torch.float32, device=words.device)
+    decode_probe_kernel[(cdiv(rows, block_n),)](
+        words.contiguous(), scales.contiguous(), (scales if offsets is None else offsets).contiguous(), out,
+        rows, k, FMT=C.FMT_MXFP4 if fmt == MXFP4 else C.FMT_INT4, HAS_OFFSETS=offsets is not None,
+        DECODE=_DECODES[decode], BLOCK_N=block_n, BLOCK_K=block_k)
+    return out

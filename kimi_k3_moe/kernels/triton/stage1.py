@@ -1,0 +1,89 @@
+"""Stage 1: gate and up projections with the activation in the epilogue.
+
+Gate and up tiles of the same columns are computed by the same program, so
+only the activated [rows, I] result reaches memory, never [rows, 2I].
+"""
+from __future__ import annotations
+
+import torch
+
+from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec, UnsupportedActivationError
+from kimi_k3_moe.configs.triton_table import KernelConfig
+from kimi_k3_moe.kernels.triton._details import constants as C
+from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
+from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
+from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_words_kernel
+from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
+from kimi_k3_moe.kernels.triton.launch import Launch, cdiv
+from kimi_k3_moe.kernels.triton.layout import MXFP4, TritonExperts
+
+DECODE_CODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
+
+
+def activation_args(activation: ActivationSpec) -> dict:
+    """ACT (compiled in) and the betas (runtime fp32): see _details/activation.py."""
+    if not isinstance(activation, ActivationSpec):
+        raise TypeError(f"activation must be an ActivationSpec, got {type(activation).__name__}")
+    if activation.name == SILU:
+        return dict(ACT=C.ACT_SILU, beta=1.0, linear_beta=1.0)
+    if activation.name == SITUV2:
+        if activation.linear_beta is None:
+            return dict(ACT=C.ACT_SITU_NO_LINEAR, beta=float(activation.beta), linear_beta=1.0)
+        return dict(ACT=C.ACT_SITU, beta=float(activation.beta), linear_beta=float(activation.linear_beta))
+    raise UnsupportedActivationError(f"the Triton backend has no kernel for activation {activation.name!r}")
+
+
+def weight_args(experts: TritonExperts, which: str) -> dict:
+    w = getattr(experts, which)
+    s = getattr(experts, f"{which}_scale")
+    o = getattr(experts, f"{which}_offset")
+    return dict(w_ptr=w, stride_we=w.stride(0), stride_wn=w.stride(1),
+                s_ptr=s, stride_se=s.stride(0), stride_sn=s.stride(1),
+                o_ptr=s if o is None else o,
+                FMT=C.FMT_MXFP4 if experts.fmt == MXFP4 else C.FMT_INT4,
+                HAS_OFFSETS=o is not None)
+
+
+def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch]:
+    """hidden (any float dtype) -> bf16 copy in word order of block_k tiles (see permute_kernels.py)."""
+    out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
+    return out, Launch(permute_words_kernel, (hidden.shape[0], cdiv(hidden.shape[1], block_k)), dict(
+        x_ptr=hidden, stride_xm=hidden.stride(0), out_ptr=out, stride_om=out.stride(0), BLOCK_K=block_k),
+        4, 1, "stage1.word_order")
+
+
+def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
+                   activation: ActivationSpec, cfg: KernelConfig, decode: str,
+                   out_block_k: int = 0) -> tuple[torch.Tensor, Launch]:
+    """`hidden` must already be in word order when cfg.interleave is False; inter comes out in
+    word order of out_block_k tiles (0: plain)."""
+    inter_size = experts.intermediate_size
+    inter = torch.empty(pairs.max_rows, inter_size, dtype=torch.bfloat16, device=hidden.device)
+    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13"),
+                inter_ptr=inter, stride_im=inter.stride(0),
+                sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
+                num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
+                inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
+                TOPK=topk, DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
+                BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k)
+    grid = (pairs.max_blocks, cdiv(inter_size, cfg.block_n))
+    return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
+
+
+def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                expert_map: torch.Tensor | None, activation: ActivationSpec, cfg: KernelConfig,
+                decode: str, out_block_k: int) -> tuple[torch.Tensor, Launch]:
+    """`hidden` in word order of cfg.block_k tiles; inter comes out in word order of out_block_k."""
+    num_pairs = topk_ids.numel()
+    topk = topk_ids.shape[1]
+    inter_size = experts.intermediate_size
+    inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=hidden.device)
+    ids = topk_ids.reshape(-1)
+    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13"),
+                inter_ptr=inter, stride_im=inter.stride(0),
+                ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
+                inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
+                TOPK=topk, HAS_MAP=expert_map is not None, DECODE=DECODE_CODES[decode],
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k)
+    grid = (num_pairs, cdiv(inter_size, cfg.block_n))
+    return inter, Launch(stage1_gemv_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.gemv")

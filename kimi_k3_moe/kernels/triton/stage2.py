@@ -1,0 +1,52 @@
+"""Stage 2: the down projection, scaled by the router weight and summed over
+each token's top-k slots in a fixed order with fp32 accumulation."""
+from __future__ import annotations
+
+import torch
+
+from kimi_k3_moe.configs.triton_table import KernelConfig
+from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage2_gemv_kernel
+from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_kernel, topk_reduce_kernel
+from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
+from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
+from kimi_k3_moe.kernels.triton.layout import TritonExperts
+from kimi_k3_moe.kernels.triton.stage1 import DECODE_CODES, weight_args
+
+REDUCE_BLOCK = 512
+
+
+def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPairs,
+                   topk_weights: torch.Tensor, out: torch.Tensor, cfg: KernelConfig,
+                   decode: str) -> list[Launch]:
+    """Two launches: the matmul writes y[pair] (bf16), then y is summed per token in slot order."""
+    hidden = experts.hidden_size
+    topk = topk_weights.shape[1]
+    y = torch.empty(pairs.num_pairs, hidden, dtype=torch.bfloat16, device=inter.device)
+    matmul = Launch(stage2_aligned_kernel, (pairs.max_blocks, cdiv(hidden, cfg.block_n)), dict(
+        inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2"),
+        y_ptr=y, stride_ym=y.stride(0), topk_w_ptr=topk_weights.reshape(-1),
+        sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
+        num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
+        DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
+        BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+        cfg.num_warps, cfg.num_stages, "stage2.aligned")
+    block = min(REDUCE_BLOCK, next_pow2(hidden))
+    reduce = Launch(topk_reduce_kernel, (out.shape[0], cdiv(hidden, block)), dict(
+        y_ptr=y, stride_ym=y.stride(0), local_ptr=pairs.local, out_ptr=out, stride_om=out.stride(0),
+        hidden=hidden, TOPK=topk, BLOCK_N=block), 4, 1, "stage2.reduce")
+    return [matmul, reduce]
+
+
+def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor,
+                cfg: KernelConfig, decode: str) -> list[Launch]:
+    hidden = experts.hidden_size
+    ids = topk_ids.reshape(-1)
+    return [Launch(stage2_gemv_kernel, (out.shape[0], cdiv(hidden, cfg.block_n)), dict(
+        inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2"),
+        out_ptr=out, stride_om=out.stride(0),
+        ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
+        topk_w_ptr=topk_weights.reshape(-1), hidden=hidden, inter_size=experts.intermediate_size,
+        TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
+        DECODE=DECODE_CODES[decode], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+        cfg.num_warps, cfg.num_stages, "stage2.gemv")]

@@ -1,0 +1,168 @@
+"""Every kernel specialisation the tables (and the heuristic) can launch compiles for
+sm_90, gfx942 and gfx950; registers, spills and shared memory are read from the
+compiled artifacts and recorded for all of them. A spill fails the test wherever
+that config can run: a device's table runs on that vendor's targets (the H200
+table on sm_90), the heuristic everywhere. The H200 table compiled for gfx942 and
+gfx950 (a portability check: AMD devices never load it) must compile; its spills
+there are recorded and printed, not failed.
+
+Each (kernel, constexprs, warps, stages) compiles once per target, in worker
+processes (an LLVM abort takes down a worker, not the suite). The report lands
+in build/aot_triton_report.json and docs/TRITON.md quotes it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.configs import triton_table as tt
+
+TARGETS = ("sm_90", "gfx942", "gfx950")
+# shared memory (bytes) a block may use: H100/H200 227 KB; MI300 LDS 64 KB; MI355 LDS 160 KB
+SHARED_LIMIT = {"sm_90": 227 * 1024, "gfx942": 64 * 1024, "gfx950": 160 * 1024}
+SITU = ("situv2", 4.0, 25.0)
+REPORT = Path(os.environ.get("KIMI_K3_MOE_AOT_REPORT", "build/aot_triton_report.json"))
+WORKERS = int(os.environ.get("KIMI_K3_MOE_AOT_WORKERS", "2"))
+
+
+def runs_on(target: str, origin: str) -> bool:
+    """Whether a config of this origin is what the lookup returns on a `target` device."""
+    if origin.startswith("heuristic-hip"):
+        return not target.startswith("sm_")
+    if origin.startswith("heuristic"):
+        return target.startswith("sm_")
+    device = origin.split()[0][len("triton_"):]
+    return device.startswith("nvidia") == target.startswith("sm_")
+
+
+def table_configs():
+    """(fmt, E, H, I, MoEConfig, origin) for every tier of every shipped table, plus the heuristic."""
+    out = []
+    folder = Path(str(resources.files("kimi_k3_moe.configs").joinpath("tables")))
+    for path in sorted(folder.glob("triton_*.json")):
+        table = json.loads(path.read_text())
+        for key, entry in table["entries"].items():
+            fmt, shape = key.split("/")
+            e, n, k = (int(x[1:]) for x in shape.split("_"))
+            for tier, cfg in entry["tiers"].items():
+                out.append((fmt, e, k, n // 2, tt.MoEConfig.from_json(cfg), f"{path.stem} {key} T{tier}"))
+    for fmt in ("mxfp4", "int4"):
+        for e, h, i in ((896, 3584, 384), (896, 3584, 192)):
+            for t in (1, 64, 512, 2048, 16384):
+                for is_cuda in (True, False):  # the heuristic differs per vendor (LDS size)
+                    out.append((fmt, e, h, i, tt.heuristic_config(h, i, t, is_cuda=is_cuda),
+                                f"heuristic{'' if is_cuda else '-hip'} T{t}"))
+    return out
+
+
+def _specs(target: str, fmt, e, h, i, cfg, act=SITU, offsets=False):
+    from kimi_k3_moe.kernels.triton.aot import meta_experts, plan_for_shape
+    cfg = cfg.for_target(target.startswith("sm_"))
+    experts = meta_experts(fmt, e, h, i, offsets=offsets)
+    return plan_for_shape(experts, 64, 16, ActivationSpec(*act), cfg)
+
+
+def _key(launch, target):
+    return (target, launch.name, tuple(sorted(launch.constexprs().items())), launch.num_warps, launch.num_stages)
+
+
+def _compile_one(job):
+    target, fmt, e, h, i, cfg_json, act, offsets, index, gate, origin = job
+    from kimi_k3_moe.kernels.triton.aot import compile_launch
+    launch = _specs(target, fmt, e, h, i, tt.MoEConfig.from_json(cfg_json), act, offsets)[index]
+    try:
+        report, _ = compile_launch(launch, target)
+        return {**report.row(), "gated": gate, "origin": origin}
+    except Exception as exc:  # reported per kernel; the test fails on it
+        return {"kernel": launch.name, "target": target, "label": launch.label, "origin": origin,
+                "error": f"{type(exc).__name__}: {exc}"[-600:]}
+
+
+def collect_jobs():
+    jobs = {}
+    for target in TARGETS:
+        for fmt, e, h, i, cfg, origin in table_configs():
+            gate = runs_on(target, origin)
+            if origin.startswith("heuristic") and not gate:
+                continue  # the other vendor's heuristic never runs on this target
+            # int4 offsets add a load and an FMA per group; compiled for the heuristic configs
+            # (what an untuned device runs) to keep CI's compile time modest
+            offsets = fmt == "int4" and origin.startswith("heuristic")
+            variants = [(SITU, False)] + ([(SITU, True)] if offsets else [])
+            for act, offsets in variants:
+                for index, launch in enumerate(_specs(target, fmt, e, h, i, cfg, act, offsets)):
+                    key = _key(launch, target)
+                    if key not in jobs or (gate and not jobs[key][-2]):
+                        jobs[key] = (target, fmt, e, h, i, cfg.to_json(), act, offsets, index, gate, origin)
+    return list(jobs.values())
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    jobs = collect_jobs()
+    with ProcessPoolExecutor(max_workers=WORKERS) as pool:
+        rows = list(pool.map(_compile_one, jobs))
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text(json.dumps(rows, indent=1))
+    print(f"\n{len(rows)} kernel specialisations compiled; report in {REPORT}")
+    for target in TARGETS:
+        mine = [r for r in rows if r["target"] == target and "error" not in r]
+        gated = [r for r in mine if r["gated"]]
+        if mine:
+            print(f"  {target}: {len(mine)} kernels ({len(gated)} that run there), registers max "
+                  f"{max(r['registers'] for r in mine)}, shared max {max(r['shared'] for r in mine)} B, "
+                  f"spilled kernels: {sum(1 for r in gated if r['spills'])} of those that run there, "
+                  f"{sum(1 for r in mine if r['spills'] and not r['gated'])} cross-target (recorded only)")
+    return rows
+
+
+def test_every_specialisation_compiles_for_every_target(compiled):
+    errors = [r for r in compiled if "error" in r]
+    assert not errors, "\n".join(f"{r['target']} {r['label']}: {r['error']}" for r in errors)
+    assert {r["target"] for r in compiled} == set(TARGETS)
+
+
+def test_no_spills_and_shared_memory_fits(compiled):
+    ok = [r for r in compiled if "error" not in r and r["gated"]]
+    spilled = [r for r in ok if r["spills"]]
+    assert not spilled, "\n".join(f"{r['target']} {r['label']} {r['constexprs']} warps={r['num_warps']}: "
+                                  f"{r['spills']} spilled, {r['registers']} registers" for r in spilled)
+    too_big = [r for r in ok if r["shared"] > SHARED_LIMIT[r["target"]]]
+    assert not too_big, [(r["target"], r["label"], r["shared"]) for r in too_big]
+    # every kernel reported what it uses
+    assert all(r["registers"] > 0 for r in ok)
+
+
+def test_activation_and_betas_cannot_share_a_binary():
+    """ACT is compiled in (silu, situv2, situv2 without linear beta: three binaries); the betas are
+    fp32 runtime arguments, so two beta pairs run the same binary with their own values and can
+    never be served by a binary built for other betas (K3_FACTS defect class 2)."""
+    from kimi_k3_moe.kernels.triton.aot import _signature, compile_launch
+    cfg_small = tt.heuristic_config(3584, 384, 1, is_cuda=True)
+    cfg_big = tt.heuristic_config(3584, 384, 4096, is_cuda=True)
+    def stage1(cfg, act):
+        return next(l for l in _specs("sm_90", "mxfp4", 896, 3584, 384, cfg, act)
+                    if l.label in ("stage1.gemv", "stage1.aligned"))
+
+    for cfg in (cfg_small, cfg_big):
+        hashes = {}
+        for act in (("silu", None, None), ("situv2", 4.0, 25.0), ("situv2", 4.0, None)):
+            launch = stage1(cfg, act)
+            signature, constexprs, _ = _signature(launch)
+            assert signature["beta"] == "fp32" and signature["linear_beta"] == "fp32"
+            assert "beta" not in constexprs and "linear_beta" not in constexprs
+            report, _ = compile_launch(launch, "sm_90")
+            hashes[act] = (constexprs["ACT"], report.hash)
+        assert len({h for _, h in hashes.values()}) == 3, hashes
+        assert len({a for a, _ in hashes.values()}) == 3, hashes
+        a = stage1(cfg, ("situv2", 4.0, 25.0))
+        b = stage1(cfg, ("situv2", 2.0, 1.5))
+        assert (a.args["beta"], a.args["linear_beta"]) == (4.0, 25.0)
+        assert (b.args["beta"], b.args["linear_beta"]) == (2.0, 1.5)
+        assert _signature(a) == _signature(b)  # same binary, betas passed at launch

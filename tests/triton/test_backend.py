@@ -1,0 +1,189 @@
+"""The whole Triton backend under the interpreter, against the float64 reference.
+
+The reference runs on the weights the prepared form encodes (`dequantize_prepared`):
+MXFP4 is the checkpoint itself, int4 the converted weights. Bounds: bf16
+activations, intermediate and output land near 3e-3 (5e-3 for int4, whose
+decoded weights are rounded to bf16); a wrong layout or activation lands
+far above 1e-2.
+"""
+from dataclasses import replace
+
+import pytest
+import torch
+
+import triton_problems as P
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+from kimi_k3_moe.formats import int4
+from kimi_k3_moe.kernels import get_backend
+from kimi_k3_moe.kernels.triton.backend import TritonBackend
+from kimi_k3_moe.reference import dense_moe, relative_l2
+from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+
+SITU = ActivationSpec.situv2(4.0, 25.0)
+SILU = ActivationSpec.silu()
+TOL = 1e-2
+
+# big tiles: the interpreter's cost is per program
+GEMV = MoEConfig("gemv", 16, KernelConfig(64, 128, 4, 2), KernelConfig(128, 64, 4, 2), "bits")
+ALIGNED = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True), KernelConfig(64, 64, 4, 2, swap=True),
+                    "bits")
+ALIGNED_NOSWAP = replace(ALIGNED, block_m=32, stage1=replace(ALIGNED.stage1, swap=False),
+                         stage2=replace(ALIGNED.stage2, swap=False))
+ALIGNED_WORDDOTS = MoEConfig("aligned", 16, KernelConfig(64, 128, 4, 2, swap=True, interleave=False),
+                             KernelConfig(64, 64, 4, 2, swap=False), "bits")
+PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS}
+
+
+def reference(backend, prepared, hidden, weights, ids, act, emap=None):
+    cache = {}
+
+    def w(e, which):
+        if e not in cache:
+            cache[e] = backend.dequantize_prepared(prepared, e)
+        return cache[e][which].double()
+    return dense_moe(hidden.double(), lambda e: w(e, 0), lambda e: w(e, 1), weights, ids, act, emap,
+                     compute_dtype=torch.float64)
+
+
+def run(backend, prepared, hidden, weights, ids, act, emap=None):
+    out = torch.full_like(hidden, float("nan"))  # poisoned: every element must be written
+    backend.forward(prepared, hidden, weights, ids, act, emap, out=out)
+    assert torch.isfinite(out).all()
+    return out
+
+
+@pytest.fixture(scope="module")
+def problem():
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    ex = P.experts(gen)
+    return ex, requantize_experts(ex, progress=False), gen
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_matches_reference_and_honours_the_activation(fmt, path, problem):
+    """Every path and format computes SiTUv2 (and SiLU) to the reference; the two results differ."""
+    ex, conv, gen = problem
+    backend = get_backend("triton", weight_format=fmt, config=PATHS[path])
+    prepared = backend.prepare(ex if fmt == "mxfp4" else conv)
+    hidden = P.hidden(gen, 4)
+    weights, ids = P.routing(gen, 4)
+    outs = {}
+    for act in (SITU, SILU):
+        outs[act.name] = run(backend, prepared, hidden, weights, ids, act)
+        err = relative_l2(outs[act.name], reference(backend, prepared, hidden, weights, ids, act))
+        assert err < TOL, f"{fmt} {path} {act}: relative L2 {err:.3g}"
+    assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
+
+
+def test_stage2_word_dots(gen):
+    """Stage 2 with eight word-strided dots needs I >= 128: its own, slightly larger problem."""
+    ex = P.experts(gen, i=128)
+    cfg = MoEConfig("aligned", 32, KernelConfig(64, 128, 4, 2, swap=False, interleave=False),
+                    KernelConfig(64, 128, 4, 2, swap=True, interleave=False), "bits")
+    backend = get_backend("triton", config=cfg)
+    prepared = backend.prepare(ex)
+    hidden = P.hidden(gen, 3)
+    weights, ids = P.routing(gen, 3)
+    out = run(backend, prepared, hidden, weights, ids, SITU)
+    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
+
+
+def test_betas_are_honoured(problem):
+    ex, _, gen = problem
+    backend = get_backend("triton", config=ALIGNED)
+    prepared = backend.prepare(ex)
+    hidden = P.hidden(gen, 4)
+    weights, ids = P.routing(gen, 4)
+    outs = []
+    for act in (ActivationSpec.situv2(4.0, 25.0), ActivationSpec.situv2(2.0, 1.5),
+                ActivationSpec.situv2(4.0, None)):
+        out = run(backend, prepared, hidden, weights, ids, act)
+        assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, act)) < TOL, act
+        outs.append(out)
+    assert relative_l2(outs[0], outs[1].float()) > 0.05
+    assert relative_l2(outs[0], outs[2].float()) > 1e-3
+
+
+@pytest.mark.parametrize("path", ["gemv", "aligned"])
+def test_expert_map_skips_experts_of_other_ranks(path, problem):
+    ex, _, gen = problem
+    backend = get_backend("triton", config=PATHS[path])
+    local = [1, 4, 5]  # global ids held here; global space of 9 experts
+    prepared = backend.prepare(ex.select(local))
+    emap = torch.full((9,), -1, dtype=torch.int32)
+    emap[torch.tensor([2, 3, 7])] = torch.arange(3, dtype=torch.int32)
+    hidden = P.hidden(gen, 5)
+    weights, ids = P.routing(gen, 5, e=9)
+    out = run(backend, prepared, hidden, weights, ids, SITU, emap)
+    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
+
+
+def test_int4_offsets_and_preconverted_experts(problem):
+    ex, conv, gen = problem
+    off = Int4Experts(*(int4.Int4Weights(w.packed, w.scales, "test",
+                                         (torch.randn(w.scales.shape, generator=gen) * 0.02).bfloat16())
+                        for w in (conv.w13, conv.w2)))
+    backend = get_backend("triton", weight_format="int4", config=ALIGNED)
+    prepared = backend.prepare(off)
+    assert prepared.has_offsets
+    hidden = P.hidden(gen, 4)
+    weights, ids = P.routing(gen, 4)
+    out = run(backend, prepared, hidden, weights, ids, SITU)
+    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
+    plain = run(backend, backend.prepare(conv), hidden, weights, ids, SITU)
+    assert relative_l2(out, plain.float()) > 1e-3  # the offsets were applied
+    with pytest.raises(ValueError, match="weight_format"):
+        get_backend("triton").prepare(conv)
+
+
+def test_repeatable_chunked_and_input_dtypes(problem):
+    ex, _, gen = problem
+    backend = get_backend("triton", config=ALIGNED)
+    prepared = backend.prepare(ex)
+    hidden = P.hidden(gen, 5)
+    weights, ids = P.routing(gen, 5)
+    first = run(backend, prepared, hidden, weights, ids, SITU)
+    assert torch.equal(first, run(backend, prepared, hidden, weights, ids, SITU))
+    chunked = TritonBackend(config=ALIGNED, chunk_tokens=2)
+    assert torch.equal(first, run(chunked, prepared, hidden, weights, ids, SITU))
+    for dtype in (torch.float16, torch.float32):
+        out = run(backend, prepared, hidden.to(dtype), weights, ids.long(), SITU)
+        assert out.dtype == dtype and relative_l2(out, first.float()) < 5e-3
+    empty = backend.forward(prepared, hidden[:0], weights[:0], ids[:0], SITU)
+    assert empty.shape == (0, P.H)
+
+
+def test_default_config_lookup_runs(problem):
+    """No pinned config: the heuristic (no table for the interpreter) picks gemv or aligned by size."""
+    ex, _, gen = problem
+    backend = get_backend("triton")
+    prepared = backend.prepare(ex)
+    assert backend.lookup(prepared, 1).config.path == "gemv"
+    assert backend.lookup(prepared, 100).config.path == "aligned"
+    assert backend.lookup(prepared, 1).config.decode == "bits"  # no PTX off NVIDIA
+    hidden = P.hidden(gen, 2)
+    weights, ids = P.routing(gen, 2)
+    out = run(backend, prepared, hidden, weights, ids, SITU)
+    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
+
+
+def test_bad_inputs_are_named(problem):
+    ex, _, gen = problem
+    backend = get_backend("triton", config=ALIGNED)
+    prepared = backend.prepare(ex)
+    hidden = P.hidden(gen, 3)
+    weights, ids = P.routing(gen, 3)
+    with pytest.raises(ValueError, match="features"):
+        backend.forward(prepared, hidden[:, :64], weights, ids, SITU)
+    with pytest.raises(TypeError, match="ActivationSpec"):
+        backend.forward(prepared, hidden, weights, ids, "situ")
+    with pytest.raises(TypeError, match="topk_weights"):
+        backend.forward(prepared, hidden, ids, ids, SITU)
+    with pytest.raises(ValueError, match="out must be"):
+        backend.forward(prepared, hidden, weights, ids, SITU, out=torch.empty(3, 7))
+    with pytest.raises(ValueError, match="weight_format"):
+        get_backend("triton", weight_format="fp8")
+    with pytest.raises(TypeError, match="ExpertWeights"):
+        backend.prepare(object())

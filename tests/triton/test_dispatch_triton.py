@@ -1,0 +1,38 @@
+"""How dispatch and get_backend treat the Triton backend on a CPU machine."""
+import subprocess
+import sys
+
+import pytest
+
+from kimi_k3_moe.dispatch import ENV_BACKEND, Platform, plan_backends, resolve
+from kimi_k3_moe.kernels import BackendUnavailable, get_backend
+
+
+def test_forced_triton_without_gpu_fails_clearly(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    plan = plan_backends(Platform("cpu"), {ENV_BACKEND: "triton"})
+    with pytest.raises(BackendUnavailable, match="no GPU visible.*TRITON_INTERPRET=1"):
+        resolve(plan)
+    ok, why = get_backend("triton").available()
+    assert not ok and "sm_80" in why
+
+
+def test_interpreter_makes_it_available(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend, choice, _ = resolve(plan_backends(Platform("cpu"), {ENV_BACKEND: "triton"}))
+    assert backend.name == "triton" and backend.describe() == "triton[mxfp4]"
+
+
+def test_cuda_and_rocm_plans_use_triton():
+    assert plan_backends(Platform("cuda", "sm_90", "H200"), {})[0].name == "triton"
+    rocm = plan_backends(Platform("rocm", "gfx942", "MI300X"), {})
+    assert [c.name for c in rocm][:2] == ["flydsl", "triton"] and rocm[1].options["weight_format"] == "int4"
+    forced = plan_backends(Platform("rocm", "gfx950", "MI355X"), {ENV_BACKEND: "triton"})
+    assert [(c.name, dict(c.options)) for c in forced] == [("triton", {"weight_format": "mxfp4"})]
+
+
+def test_package_import_does_not_import_triton():
+    code = ("import sys, kimi_k3_moe.kernels.triton, kimi_k3_moe.configs.triton_table, kimi_k3_moe.dispatch; "
+            "print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,62 @@
+"""The decoders and the token alignment, run under the interpreter."""
+import pytest
+import torch
+
+from kimi_k3_moe.formats import int4
+from kimi_k3_moe.kernels.triton import layout
+from kimi_k3_moe.kernels.triton.alignment import align_launches
+from kimi_k3_moe.kernels.triton.probe import decode_rows
+
+import triton_problems as _data
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "int4+offsets"])
+def test_bits_decoder_matches_the_format(fmt, gen):
+    ex = _data.experts(gen, e=1, h=256, i=32)
+    if fmt == "mxfp4":
+        prepared = layout.from_mxfp4(*ex.tensors())
+    else:
+        conv = [int4.requantize(ex.w13_packed, ex.w13_scale), int4.requantize(ex.w2_packed, ex.w2_scale)]
+        if fmt == "int4+offsets":
+            conv = [int4.Int4Weights(c.packed, c.scales, "test",
+                                     (torch.randn(c.scales.shape, generator=gen) * 0.05).bfloat16()) for c in conv]
+        prepared = layout.from_int4(*conv)
+    got = decode_rows(prepared.w13[0], prepared.w13_scale[0],
+                      None if prepared.w13_offset is None else prepared.w13_offset[0],
+                      "mxfp4" if fmt == "mxfp4" else "int4", "bits", block_n=16, block_k=128)
+    want = prepared.dequantize(0)[0]
+    # the kernels feed bf16 to the dot: MXFP4 is exact there, int4 rounds to nearest
+    assert torch.equal(got, want.bfloat16().float())
+    if fmt == "mxfp4":
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_alignment_groups_every_pair_once(with_map, gen):
+    tokens, e, topk, block_m = 9, 6, 3, 16
+    _, ids = _data.routing(gen, tokens, e, topk)
+    emap = None
+    if with_map:
+        emap = torch.full((e,), -1, dtype=torch.int32)
+        local = torch.randperm(e, generator=gen)[:4]
+        emap[local] = torch.arange(4, dtype=torch.int32)
+    pairs, launches = align_launches(ids, emap, e if emap is None else 4, block_m)
+    for _ in range(2):  # replayable: a second run (as a CUDA graph replay would) gives the same rows
+        for launch in launches:
+            launch()
+    flat = ids.reshape(-1).long()
+    want_local = flat if emap is None else emap[flat].long()
+    assert torch.equal(pairs.local.long(), want_local)
+    counts = torch.bincount(want_local[want_local >= 0], minlength=pairs.offsets.numel())
+    padded = (counts + block_m - 1) // block_m * block_m
+    num_rows = int(pairs.num_rows.item())
+    assert num_rows == int(padded.sum()) and num_rows <= pairs.max_rows
+    rows = pairs.sorted_pairs[:num_rows].long()
+    real = rows[rows < flat.numel()]
+    assert sorted(real.tolist()) == [p for p in range(flat.numel()) if want_local[p] >= 0]
+    assert torch.all(pairs.sorted_pairs[num_rows:] == flat.numel())  # padding sentinel beyond the rows
+    for b in range(num_rows // block_m):
+        block = rows[b * block_m:(b + 1) * block_m]
+        block = block[block < flat.numel()]
+        assert block.numel() > 0, "a block without pairs"
+        assert torch.all(want_local[block] == pairs.block_expert[b])

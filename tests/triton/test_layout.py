@@ -1,0 +1,144 @@
+"""The word layout and the PTX decoders, bit for bit, on the CPU (no kernels run)."""
+import math
+import re
+
+import pytest
+import torch
+
+from kimi_k3_moe.formats import int4, mxfp4
+from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.kernels.triton import layout
+from kimi_k3_moe.kernels.triton._details import decode
+
+
+def all_bytes(rows=4):
+    return torch.arange(256, dtype=torch.uint8).repeat(rows, 1)  # [rows, 256]: every byte, every position
+
+
+@pytest.mark.parametrize("fmt", layout.WEIGHT_FORMATS)
+def test_word_layout_roundtrips(fmt, gen):
+    packed = torch.cat([all_bytes(), torch.randint(0, 256, (4, 256), generator=gen, dtype=torch.uint8)])
+    words = layout.to_word_layout(packed, fmt)
+    assert words.shape == packed.shape and words.dtype == torch.uint8
+    assert torch.equal(layout.from_word_layout(words, fmt), packed)
+    chunked = layout.to_word_layout(packed.reshape(2, 4, 256), fmt, chunk_bytes=256)
+    assert torch.equal(chunked.reshape(8, 256), words)
+
+
+def test_word_layout_bit_positions():
+    """Element j of a word, set alone to code 0xF, lands where docs/TRITON.md says."""
+    for j in range(8):
+        codes = torch.zeros(8, dtype=torch.uint8)
+        codes[j] = 0xF
+        packed = mxfp4.pack_nibbles(codes)
+        for fmt, expected in (
+            ("mxfp4", (7 << (3 * (j // 2) + 16 * (j % 2))) | (1 << (12 + j // 2 + 16 * (j % 2)))),
+            ("int4", 0xF << (4 * (j // 2) + 16 * (j % 2))),
+        ):
+            word = layout.to_word_layout(packed, fmt).view(torch.int32).item() & 0xFFFFFFFF
+            assert word == expected, (fmt, j, hex(word), hex(expected))
+
+
+# ---------------------------------------------------------------- PTX emulator
+def _bf16_to_float(bits: int) -> float:
+    return torch.tensor([bits << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).double().item()
+
+
+def _float_to_bf16(x: float) -> int:
+    return torch.tensor([x], dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+
+def run_ptx(asm: str, word: int, scale_pair: int = 0) -> list[int]:
+    """Execute the subset of PTX the decoders use on one word ($8) and a bf16x2 scale pair ($9);
+    returns the eight 16-bit outputs $0..$7."""
+    regs = {"$8": word & 0xFFFFFFFF, "$9": scale_pair & 0xFFFFFFFF}
+    written = set()
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0) & 0xFFFFFFFF
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        unpack = re.fullmatch(r"\{\s*(\$\d)\s*,\s*(\$\d)\s*\}\s*,\s*(\S+)", rest)
+        if op == "mov.b32" and unpack:
+            lo, hi, src = unpack.groups()
+            regs[lo], regs[hi] = val(src) & 0xFFFF, val(src) >> 16
+            written |= {lo, hi}
+            continue
+        args = [a.strip() for a in rest.split(",")]
+        d, srcs = args[0], [val(a) for a in args[1:]]
+        assert not (set(a.strip() for a in args[1:]) & written), "an input read after an output was written"
+        if op == "mov.b32":
+            r = srcs[0]
+        elif op == "shl.b32":
+            r = srcs[0] << srcs[1]
+        elif op == "shr.u32":
+            r = srcs[0] >> srcs[1]
+        elif op == "and.b32":
+            r = srcs[0] & srcs[1]
+        elif op == "or.b32":
+            r = srcs[0] | srcs[1]
+        elif op == "xor.b32":
+            r = srcs[0] ^ srcs[1]
+        elif op == "fma.rn.bf16x2":
+            r = 0
+            for half in (0, 16):
+                a, b, c = ((x >> half) & 0xFFFF for x in srcs)
+                exact = _bf16_to_float(a) * _bf16_to_float(b) + _bf16_to_float(c)
+                r |= _float_to_bf16(exact) << half
+        else:
+            raise AssertionError(f"emulator lacks {op}")
+        assert d not in ("$8", "$9"), "the decoder writes an input register"
+        regs[d] = r & 0xFFFFFFFF
+    return [regs[f"${i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("fmt", layout.WEIGHT_FORMATS)
+def test_ptx_decoders_give_every_code_exactly(fmt, gen):
+    asm = (decode.E2M1_WORD_PTX if fmt == "mxfp4" else decode.INT4_WORD_PTX).value
+    codes = torch.cat([torch.arange(16, dtype=torch.uint8).repeat_interleave(8).reshape(16, 8),
+                       torch.randint(0, 16, (48, 8), generator=gen, dtype=torch.uint8)])
+    words = layout._words_from_codes(codes, fmt).view(torch.int32).reshape(-1)
+    scale_bytes = torch.cat([torch.tensor([0, 1, 127, 252]), torch.randint(100, 140, (60,), generator=gen)])
+    for word, row, b in zip(words.tolist(), codes, scale_bytes.tolist()):
+        half = 0x40 if b == 0 else b << 7  # what load_weight_words passes in $9
+        out = run_ptx(asm, word, half | (half << 16))
+        got = [_bf16_to_float(v) for v in out]
+        if fmt == "mxfp4":
+            scale = mxfp4.e8m0_to_float(torch.tensor([b], dtype=torch.uint8)).double()
+            want = (mxfp4.e2m1_table()[row.long()].double() * scale).bfloat16().double().tolist()
+        else:
+            want = int4.unpack_signed(mxfp4.pack_nibbles(row)).double().tolist()
+        assert got == want, (fmt, hex(word & 0xFFFFFFFF), b, got, want)
+        assert all(math.copysign(1, g) == math.copysign(1, w) for g, w in zip(got, want) if g == 0)
+
+
+def test_prepared_experts_decode_to_their_source(gen):
+    w13 = torch.randn(3, 64, 96, generator=gen)
+    w2 = torch.randn(3, 96, 32, generator=gen)
+    experts = ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    prepared = layout.from_mxfp4(*experts.tensors())
+    conv = int4.requantize(experts.w13_packed, experts.w13_scale), int4.requantize(experts.w2_packed, experts.w2_scale)
+    off = [int4.Int4Weights(c.packed, c.scales, "test", (torch.randn(c.scales.shape, generator=gen) * 0.1).bfloat16())
+           for c in conv]
+    prepared_int4 = layout.from_int4(*off)
+    for e in range(3):
+        for got, want in zip(prepared.dequantize(e), experts.dequantize(e)):
+            assert torch.equal(got, want)
+        assert torch.equal(prepared_int4.dequantize(e)[0], off[0][e].dequantize())
+        assert torch.equal(prepared_int4.dequantize(e)[1], off[1][e].dequantize())
+
+
+def test_prepared_experts_validate_shapes():
+    experts = layout.from_mxfp4(torch.zeros(2, 64, 32, dtype=torch.uint8), torch.zeros(2, 64, 2, dtype=torch.uint8),
+                                torch.zeros(2, 64, 16, dtype=torch.uint8), torch.zeros(2, 64, 1, dtype=torch.uint8))
+    assert experts.hidden_size == 64 and experts.intermediate_size == 32
+    with pytest.raises(ValueError, match="w13_scale"):
+        layout.TritonExperts("mxfp4", experts.w13, experts.w13_scale[:, :, :1], experts.w2, experts.w2_scale)
+    with pytest.raises(ValueError, match="offsets"):
+        layout.TritonExperts("mxfp4", experts.w13, experts.w13_scale, experts.w2, experts.w2_scale,
+                             experts.w13_scale, experts.w2_scale)

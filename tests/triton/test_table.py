@@ -1,0 +1,100 @@
+"""Config tables: one lookup rule for every token count (K3_FACTS defect class 6).
+
+Plain Python, no kernels: every tuned table shipped in the package and a
+synthetic one are probed at every tier edge, edge + 1 and far beyond.
+"""
+import json
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from kimi_k3_moe.configs import triton_table as tt
+from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+
+K3 = [(896, 3584, 384), (896, 3584, 192)]  # (E, H, I) per rank at TP8 and TP16
+FAR = [16384, 16385, 32768, 32769, 131072]
+
+
+def shipped_tables():
+    folder = Path(str(resources.files("kimi_k3_moe.configs").joinpath("tables")))
+    return sorted(folder.glob("triton_*.json"))
+
+
+def synthetic_table():
+    tiers = {str(t): MoEConfig("gemv" if t <= 8 else "aligned", 16 if t <= 64 else 64).to_json()
+             for t in (1, 4, 8, 64, 1024, 16384)}
+    return {"format_version": 1, "entries": {tt.shape_key("mxfp4", 896, 768, 3584): {"tiers": tiers}}}
+
+
+def probe_tokens(tiers):
+    return sorted({1, *tiers, *(t + 1 for t in tiers), *(max(1, t - 1) for t in tiers), *FAR})
+
+
+def check_entry(table, dev, fmt, e, h, i):
+    _, entry = tt.find_entry(table, fmt, e, 2 * i, h)
+    tiers = tt.tiers_of(entry)
+    for t in probe_tokens(tiers):
+        for is_cuda in (True, False):
+            found = tt.lookup(dev, fmt, e, h, i, t, is_cuda=is_cuda, table=table)
+            expected = next((x for x in tiers if t <= x), tiers[-1])
+            assert found.source.endswith(f"tier {expected}"), (t, found.source)
+            assert found.source != "heuristic"
+            found.config.validate(h, i)
+            if not is_cuda:
+                assert found.config.decode == "bits"
+
+
+def test_synthetic_table_edges():
+    check_entry(synthetic_table(), "x", "mxfp4", 896, 3584, 384)
+    # the same (N, K) with another expert count (an EP slice) uses the tuned entry
+    found = tt.lookup("x", "mxfp4", 112, 3584, 384, 5, is_cuda=True, table=synthetic_table())
+    assert found.source.endswith("tier 8") and found.config.path == "gemv"
+
+
+@pytest.mark.parametrize("path", shipped_tables(), ids=lambda p: p.name)
+def test_shipped_tables(path):
+    table = json.loads(path.read_text())
+    assert table["format_version"] == 1
+    dev = path.stem[len("triton_"):]
+    assert table["device_key"] == dev
+    for key in table["entries"]:
+        fmt, shape = key.split("/")
+        e, n, k = (int(x[1:]) for x in shape.split("_"))
+        check_entry(table, dev, fmt, e, k, n // 2)
+
+
+def test_h200_table_covers_k3():
+    path = next((p for p in shipped_tables() if p.name == "triton_nvidia_h200.json"), None)
+    if path is None:
+        pytest.skip("no H200 table shipped yet")
+    entries = json.loads(path.read_text())["entries"]
+    for fmt in ("mxfp4", "int4"):
+        for e, h, i in K3:
+            assert tt.shape_key(fmt, e, 2 * i, h) in entries, (fmt, i)
+
+
+@pytest.mark.parametrize("e,h,i", K3 + [(6, 128, 64), (4, 96, 32)])
+def test_heuristic_is_valid_for_every_token_count(e, h, i):
+    for t in probe_tokens([1, 8, 9, 64, 65, 512, 513, 2048, 2049]):
+        for is_cuda in (True, False):
+            found = tt.lookup("no_such_device", "int4", e, h, i, t, is_cuda=is_cuda)
+            assert found.source == "heuristic"
+            found.config.validate(h, i)
+
+
+def test_config_json_roundtrip_and_validation():
+    cfg = MoEConfig("aligned", 32, KernelConfig(64, 256, 4, 3, True, False), KernelConfig(128, 128, 8, 3), "ptx")
+    assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    assert cfg.for_target(False).decode == "bits" and cfg.for_target(True) == cfg
+    with pytest.raises(ValueError, match="block_k = 256 .* K = 384"):
+        MoEConfig(stage2=KernelConfig(block_k=256)).validate(3584, 384)
+    with pytest.raises(ValueError, match="block_m"):
+        MoEConfig(block_m=8).validate(3584, 384)
+    with pytest.raises(ValueError, match="interleave=False needs block_k >= 128"):
+        MoEConfig(stage1=KernelConfig(block_k=64, interleave=False)).validate(3584, 384)
+    with pytest.raises(ValueError, match="block_n = 8 must be >= 16"):
+        MoEConfig("aligned", stage1=KernelConfig(block_n=8)).validate(3584, 384)
+    MoEConfig("gemv", stage1=KernelConfig(block_n=8)).validate(3584, 384)
+    assert tt.device_key("NVIDIA H200") == "nvidia_h200"
+    assert tt.device_key("AMD Instinct MI300X") == "amd_instinct_mi300x"
