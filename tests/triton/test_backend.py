@@ -122,18 +122,21 @@ def test_expert_map_skips_experts_of_other_ranks(path, problem):
 
 def test_int4_offsets_and_preconverted_experts(problem):
     ex, conv, gen = problem
-    off = Int4Experts(*(int4.Int4Weights(w.packed, w.scales, "test",
+    off = Int4Experts(*(int4.Int4Weights(w.packed, w.scales, "asym",
                                          (torch.randn(w.scales.shape, generator=gen) * 0.02).bfloat16())
                         for w in (conv.w13, conv.w2)))
-    backend = get_backend("triton", weight_format="int4", config=ALIGNED)
+    backend = get_backend("triton", weight_format="int4", int4_method="asym", config=ALIGNED)
     prepared = backend.prepare(off)
     assert prepared.has_offsets
     hidden = P.hidden(gen, 4)
     weights, ids = P.routing(gen, 4)
     out = run(backend, prepared, hidden, weights, ids, SITU)
     assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
-    plain = run(backend, backend.prepare(conv), hidden, weights, ids, SITU)
+    symmetric = get_backend("triton", weight_format="int4", config=ALIGNED)
+    plain = run(symmetric, symmetric.prepare(conv), hidden, weights, ids, SITU)
     assert relative_l2(out, plain.float()) > 1e-3  # the offsets were applied
+    with pytest.raises(ValueError, match="int4 method 'search'.*configured for 'asym'"):
+        backend.prepare(conv)  # methods are never mixed silently
     with pytest.raises(ValueError, match="weight_format"):
         get_backend("triton").prepare(conv)
 

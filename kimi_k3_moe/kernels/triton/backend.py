@@ -21,7 +21,8 @@ from kimi_k3_moe.configs.triton_table import Lookup, MoEConfig
 from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
 from kimi_k3_moe.kernels.triton.layout import INT4, MXFP4, WEIGHT_FORMATS, TritonExperts, from_int4, from_mxfp4
 from kimi_k3_moe.reference import check_routing
-from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+from kimi_k3_moe.formats import int4
+from kimi_k3_moe.weights.requant import Int4Experts, int4_experts_for
 
 ENV_INTERPRET = "TRITON_INTERPRET"
 DEFAULT_CHUNK_TOKENS = 16384
@@ -35,7 +36,7 @@ def interpreter_on() -> bool:
 class TritonBackend(MoEBackend):
     name = "triton"
 
-    def __init__(self, weight_format: str = MXFP4, int4_method: str = "amax", *,
+    def __init__(self, weight_format: str = MXFP4, int4_method: str = int4.DEFAULT_METHOD, *,
                  config: MoEConfig | None = None, decode: str | None = None,
                  table: dict | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
         """`config` pins one MoEConfig for every batch (tests, tuner); `decode`
@@ -46,6 +47,8 @@ class TritonBackend(MoEBackend):
             raise ValueError(f"triton backend: weight_format {weight_format!r} not in {WEIGHT_FORMATS}")
         if decode not in (None, *triton_table.DECODES):
             raise ValueError(f"triton backend: decode {decode!r} not in {triton_table.DECODES}")
+        if int4_method not in int4.METHODS:
+            raise ValueError(f"triton backend: int4_method {int4_method!r} not in {int4.METHODS}")
         if chunk_tokens < 1:
             raise ValueError(f"triton backend: chunk_tokens must be >= 1, got {chunk_tokens}")
         self.weight_format = weight_format
@@ -56,6 +59,8 @@ class TritonBackend(MoEBackend):
         self.chunk_tokens = chunk_tokens
 
     def describe(self) -> str:
+        if self.weight_format == INT4:
+            return f"{self.name}[int4/{self.int4_method}]"
         return f"{self.name}[{self.weight_format}]"
 
     # -- where it runs --------------------------------------------------
@@ -88,17 +93,14 @@ class TritonBackend(MoEBackend):
         already converted Int4Experts, -> the kernels' word layout."""
         if isinstance(experts, TritonExperts):
             prepared = experts
-        elif isinstance(experts, Int4Experts):
-            if self.weight_format != INT4:
-                raise ValueError("triton backend: got Int4Experts but weight_format is "
-                                 f"{self.weight_format!r}; build the backend with weight_format='int4'")
-            prepared = from_int4(experts.w13, experts.w2)
+        elif isinstance(experts, Int4Experts) and self.weight_format != INT4:
+            raise ValueError("triton backend: got Int4Experts but weight_format is "
+                             f"{self.weight_format!r}; build the backend with weight_format='int4'")
+        elif isinstance(experts, (ExpertWeights, Int4Experts)) and self.weight_format == INT4:
+            converted = int4_experts_for(experts, self.int4_method, "triton backend")
+            prepared = from_int4(converted.w13, converted.w2)
         elif isinstance(experts, ExpertWeights):
-            if self.weight_format == INT4:
-                converted = requantize_experts(experts, method=self.int4_method)
-                prepared = from_int4(converted.w13, converted.w2)
-            else:
-                prepared = from_mxfp4(*experts.tensors())
+            prepared = from_mxfp4(*experts.tensors())
         else:
             raise TypeError("triton backend: prepare() takes ExpertWeights, Int4Experts or TritonExperts, "
                             f"got {type(experts).__name__}")
