@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from kimi_k3_moe.act_quant import ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
 from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
-from kimi_k3_moe.kernels.flydsl.config import (BETA_MODES, REDUCTIONS, WEIGHT_FORMATS, KernelConfig,
-                                               check_arch)
+from kimi_k3_moe.kernels.flydsl.config import (ACT_DTYPES, BETA_MODES, REDUCTIONS, WEIGHT_FORMATS,
+                                               KernelConfig, check_arch)
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
 
@@ -39,7 +40,7 @@ class FlyDSLBackend(MoEBackend):
     name = "flydsl"
 
     def __init__(self, arch: str | None = None, weight_format: str | None = None, *, int4_method: str = "amax",
-                 betas: str = "const", reduce: str = "slots", device: int = 0):
+                 betas: str = "const", reduce: str = "slots", device: int = 0, act_dtype: str = "bf16"):
         self.device_index = device
         self.arch = check_arch(arch) if arch is not None else detect_arch(device)
         if self.arch is not None:
@@ -51,6 +52,12 @@ class FlyDSLBackend(MoEBackend):
             raise ValueError(f"flydsl: betas {betas!r} not in {BETA_MODES}")
         if reduce not in REDUCTIONS:
             raise ValueError(f"flydsl: reduce {reduce!r} not in {REDUCTIONS}")
+        # refused here, at load: gfx942 has no scaled MFMA (LLVM would abort compiling one)
+        act_dtype = check_supported("flydsl", self.arch, act_dtype, ACT_DTYPES.get(self.arch, ("bf16",)))
+        if act_dtype != "bf16" and fmt != "mxfp4":
+            raise ValueError(f"flydsl on {self.arch}: act_dtype {act_dtype!r} runs on MXFP4 weights "
+                             f"(the scaled MFMA reads e2m1), not {fmt!r}")
+        self.act_quant = ActQuant.for_dtype(act_dtype)
         self.weight_format = fmt
         self.int4_method = int4_method
         self.betas = betas
@@ -59,7 +66,8 @@ class FlyDSLBackend(MoEBackend):
         self._ready: tuple[bool, str] | None = None
 
     def describe(self) -> str:
-        return f"{self.name}[{self.arch or 'no AMD GPU'}, {self.weight_format}]"
+        act = f", {self.act_quant.tag()}" if self.act_quant.quantizes else ""
+        return f"{self.name}[{self.arch or 'no AMD GPU'}, {self.weight_format}{act}]"
 
     # ------------------------------------------------------------------ availability
     def available(self) -> tuple[bool, str]:
