@@ -17,6 +17,7 @@ import torch
 
 from kimi_k3_moe.act_quant import ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
 from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.config import (ACT_DTYPES, BETA_MODES, REDUCTIONS, WEIGHT_FORMATS,
@@ -39,7 +40,8 @@ def detect_arch(device: int = 0) -> str | None:
 class FlyDSLBackend(MoEBackend):
     name = "flydsl"
 
-    def __init__(self, arch: str | None = None, weight_format: str | None = None, *, int4_method: str = "amax",
+    def __init__(self, arch: str | None = None, weight_format: str | None = None, *,
+                 int4_method: str = int4.DEFAULT_METHOD,
                  betas: str = "const", reduce: str = "slots", device: int = 0, act_dtype: str = "bf16"):
         self.device_index = device
         self.arch = check_arch(arch) if arch is not None else detect_arch(device)
