@@ -21,7 +21,7 @@ from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
 from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.config import (ACT_DTYPES, BETA_MODES, REDUCTIONS, WEIGHT_FORMATS,
-                                               KernelConfig, check_arch)
+                                               KernelConfig, QuantConfig, check_arch)
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
 
@@ -126,7 +126,8 @@ class FlyDSLBackend(MoEBackend):
         try:   # a shape the kernels cannot tile is a reason to use another backend, found at load
             tiles.stage_configs(self.arch, self.weight_format, hidden=prepared.hidden_size,
                                 inter=prepared.intermediate_size, top_k=1, num_tokens=1,
-                                activation=ActivationSpec.silu(), has_offsets=prepared.has_offsets)
+                                activation=ActivationSpec.silu(), has_offsets=prepared.has_offsets,
+                                act_dtype=self.act_quant.dtype)
         except ValueError as exc:
             raise BackendUnavailable(f"flydsl cannot serve this layer: {exc}") from exc
         return prepared
@@ -140,23 +141,29 @@ class FlyDSLBackend(MoEBackend):
                 expert_map: torch.Tensor | None = None) -> torch.Tensor:
         self.require_available()
         return pipeline.moe_forward(prepared, hidden, topk_weights, topk_ids, activation, expert_map,
-                                    arch=self.arch, launch=self._launch, betas=self.betas, reduce=self.reduce)
+                                    arch=self.arch, launch=self._launch, betas=self.betas, reduce=self.reduce,
+                                    act_dtype=self.act_quant.dtype)
 
     def precompile(self, prepared: FlyDSLExperts, activation: ActivationSpec, top_k: int) -> list[str]:
         """Compile every tier's kernels for this layer now (before graph capture); their names."""
         self.require_available()
         names = []
+        if self.act_quant.quantizes:
+            qcfg = QuantConfig(self.arch, self.act_quant.dtype)
+            self._compiled_for(qcfg)
+            names.append(qcfg.name)
         for tier in tiles.default_table()[self.arch]:
             n = tier.max_tokens or 1 << 20
             for cfg in tiles.stage_configs(self.arch, self.weight_format, hidden=prepared.hidden_size,
                                            inter=prepared.intermediate_size, top_k=top_k, num_tokens=n,
                                            activation=activation, betas=self.betas,
-                                           has_offsets=prepared.has_offsets, reduce=self.reduce):
+                                           has_offsets=prepared.has_offsets, reduce=self.reduce,
+                                           act_dtype=self.act_quant.dtype):
                 self._compiled_for(cfg)
                 names.append(cfg.name)
         return names
 
-    def _compiled_for(self, cfg: KernelConfig):
+    def _compiled_for(self, cfg: KernelConfig | QuantConfig):
         compiled = self._compiled.get(cfg)
         if compiled is None:
             import flydsl.compiler as flyc
@@ -171,7 +178,7 @@ class FlyDSLBackend(MoEBackend):
             self._compiled[cfg] = compiled
         return compiled
 
-    def _launch(self, cfg: KernelConfig, args: tuple) -> None:
+    def _launch(self, cfg: KernelConfig | QuantConfig, args: tuple) -> None:
         compiled = self._compiled_for(cfg)
         stream = torch.cuda.current_stream(self.device_index)
         try:
