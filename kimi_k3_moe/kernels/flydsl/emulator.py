@@ -28,6 +28,8 @@ on the wrong block, shows up as a wrong product.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kimi_k3_moe.formats import fp8, mxfp4
@@ -184,6 +186,12 @@ def _abi_k(fmt: str, g: int) -> list[int]:
     return [16 * g + v if v < 16 else 64 + 16 * g + (v - 16) for v in range(32)]
 
 
+@functools.lru_cache(maxsize=None)
+def _abi_k_table(fmt: str) -> torch.Tensor:
+    """[64, 32]: logical k of each value of each lane."""
+    return torch.tensor([_abi_k(fmt, lane >> 4) for lane in range(L.LANES)])
+
+
 def _operand_values(fmt: str, regs: torch.Tensor) -> torch.Tensor:
     """[64, 16 | 32] register bytes -> [64, 32] element values (e2m1 low nibble first, or e4m3 bytes)."""
     if fmt == "fp4":
@@ -200,10 +208,9 @@ def _mfma_scale(acc, a_regs, a_fmt, a_scale, b_regs, b_fmt, b_scale) -> torch.Te
     A = torch.zeros(16, 128, dtype=torch.float64)
     B = torch.zeros(128, 16, dtype=torch.float64)
     av, bv = _operand_values(a_fmt, a_regs).double(), _operand_values(b_fmt, b_regs).double()
-    for lane in range(L.LANES):
-        g, r = lane >> 4, lane & 15
-        A[r, _abi_k(a_fmt, g)] = av[lane]
-        B[_abi_k(b_fmt, g), r] = bv[lane]
+    rows = (torch.arange(L.LANES) & 15)[:, None]
+    A[rows, _abi_k_table(a_fmt)] = av
+    B[_abi_k_table(b_fmt), rows] = bv
     sa = torch.exp2(a_scale.double() - 127).view(4, 16)          # [block, row]
     sb = torch.exp2(b_scale.double() - 127).view(4, 16)
     block = torch.arange(128) // 32
