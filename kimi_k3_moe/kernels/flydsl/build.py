@@ -47,10 +47,11 @@ def placeholder_args(cfg: KernelConfig | QuantConfig) -> tuple:
         y_dtype = f32 if cfg.reduce == "atomic" else bf16
     else:
         y_dtype = act_dtype
-    return (torch.zeros(64, dtype=act_dtype), torch.zeros(64, dtype=u8), torch.zeros(64, dtype=scale_dtype),
-            torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=i32), torch.zeros(4, dtype=i32),
-            torch.zeros(64, dtype=f32), torch.zeros(64, dtype=y_dtype), torch.zeros(4, dtype=u8),
-            torch.zeros(4, dtype=u8), 1, cfg.BM, 4.0, 25.0)
+    tensors = (torch.zeros(64, dtype=act_dtype), torch.zeros(64, dtype=u8), torch.zeros(64, dtype=scale_dtype),
+               torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=i32), torch.zeros(4, dtype=i32),
+               torch.zeros(64, dtype=f32), torch.zeros(64, dtype=y_dtype))
+    scales = (torch.zeros(4, dtype=u8), torch.zeros(4, dtype=u8)) if cfg.quantized else ()
+    return (*tensors, *scales, 1, cfg.BM, 4.0, 25.0)
 
 
 def config_to_json(cfg: KernelConfig | QuantConfig) -> str:

@@ -242,12 +242,14 @@ def _activate(cfg: KernelConfig, gate: torch.Tensor, up: torch.Tensor, beta: flo
 
 # --------------------------------------------------------------------- the grid
 def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
-    """Play one kernel launch on the CPU; writes the output buffers (args[7], args[9]) in place."""
+    """Play one kernel launch on the CPU; writes the output buffer(s) (Y, and YS when quantized) in place."""
     _check_signature(cfg, args)
     if isinstance(cfg, QuantConfig):
         _launch_quant(cfg, args)
         return
-    A, W, S, OFS, SID, BE, TW, Y, AS, YS, num_tokens, num_rows, beta, lin_beta = args
+    A, W, S, OFS, SID, BE, TW, Y = args[:8]
+    AS, YS = args[8:10] if cfg.quantized else (None, None)
+    num_tokens, num_rows, beta, lin_beta = args[-4:]
     if num_rows % cfg.BM:
         raise EmulatorError(f"num_rows {num_rows} is not a multiple of BM {cfg.BM}")
     R, K, N = cfg.weight_rows, cfg.K, cfg.N
@@ -282,7 +284,8 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
                            None if stage1 else tw, beta, lin_beta)
 
 
-ARG_NAMES = ("A", "W", "S", "OFS", "SID", "BE", "TW", "Y", "AS", "YS", "num_tokens", "num_rows", "beta", "lin_beta")
+ARG_NAMES = ("A", "W", "S", "OFS", "SID", "BE", "TW", "Y", "num_tokens", "num_rows", "beta", "lin_beta")
+QUANTIZED_ARG_NAMES = ARG_NAMES[:8] + ("AS", "YS") + ARG_NAMES[8:]
 QUANT_ARG_NAMES = ("X", "XQ", "XS", "num_groups")
 
 
@@ -294,7 +297,8 @@ def _check_signature(cfg: KernelConfig, args: tuple) -> None:
     expected = placeholder_args(cfg)
     if len(args) != len(expected):
         raise EmulatorError(f"{cfg.name}: {len(args)} arguments, the launcher takes {len(expected)}")
-    for name, got, want in zip(QUANT_ARG_NAMES if isinstance(cfg, QuantConfig) else ARG_NAMES, args, expected):
+    names = QUANT_ARG_NAMES if isinstance(cfg, QuantConfig) else QUANTIZED_ARG_NAMES if cfg.quantized else ARG_NAMES
+    for name, got, want in zip(names, args, expected):
         if isinstance(want, torch.Tensor):
             if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.dim() != 1 \
                     or not got.is_contiguous():

@@ -104,7 +104,6 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     w2, s2, o2 = experts.tensors("w2")
     step = min(chunk_tokens or T, max_chunk_tokens(H, I, k, E))
     quantized = act_dtype != "bf16"
-    unused = torch.zeros(1, dtype=torch.uint8, device=hidden.device)   # AS / YS of bf16 kernels: never read
     for start in range(0, T, step):
         stop = min(T, start + step)
         n = stop - start
@@ -120,21 +119,24 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
         P = routing.num_rows
         beta, lin_beta = runtime_betas(activation) if cfg1.betas == "runtime" else (0.0, 0.0)
         weights = tw[start:stop].reshape(-1)
+        # quantized kernels take two more tensors after the output: input scales, output scales
         if quantized:
             a1, a1_scales = _quantized(n * H, act_dtype, hidden.device)
             launch(QuantConfig(arch, act_dtype), (x[start:stop].reshape(-1), a1, a1_scales, n * H // layout.GROUP))
             inter, inter_scales = _quantized(P * I, act_dtype, hidden.device)
+            scales1, scales2 = (a1_scales, inter_scales), (inter_scales, inter_scales[:1])
         else:
-            a1, a1_scales = x[start:stop].reshape(-1), unused
-            inter, inter_scales = torch.empty(P * I, dtype=torch.bfloat16, device=hidden.device), unused
+            a1 = x[start:stop].reshape(-1)
+            inter = torch.empty(P * I, dtype=torch.bfloat16, device=hidden.device)
+            scales1 = scales2 = ()
         launch(cfg1, (a1, w13, s13, o13, routing.sorted_slots, routing.block_expert,
-                      weights, inter, a1_scales, inter_scales, n, P, beta, lin_beta))
+                      weights, inter, *scales1, n, P, beta, lin_beta))
         if reduce == "slots":
             y = torch.zeros(n * k * H, dtype=torch.bfloat16, device=hidden.device)
         else:
             y = torch.zeros(n * H, dtype=torch.float32, device=hidden.device)
         launch(cfg2, (inter, w2, s2, o2, routing.sorted_slots, routing.block_expert, weights, y,
-                      inter_scales, unused, n, P, 0.0, 0.0))
+                      *scales2, n, P, 0.0, 0.0))
         # the deterministic top-k reduction: fp32 sum over each token's slots, in slot order
         part = y.view(n, k, H).float().sum(dim=1) if reduce == "slots" else y.view(n, H)
         out[start:stop] = part.to(hidden.dtype)

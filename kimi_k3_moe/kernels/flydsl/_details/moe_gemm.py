@@ -238,13 +238,14 @@ def _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_b
 def build(cfg: KernelConfig):
     """The @flyc.jit launcher of one configuration.
 
-    launcher(A, W, S, OFS, SID, BE, TW, Y, AS, YS, num_tokens, num_rows, beta, lin_beta[, stream])
+    launcher(A, W, S, OFS, SID, BE, TW, Y, num_tokens, num_rows, beta, lin_beta[, stream])
       stage 1: A = hidden [T*H] bf16, Y = INTER [P*I] bf16 (TW unused)
       stage 2: A = INTER [P*I] bf16, TW = topk_weights [T*k] f32,
                Y = SLOTS [T*k*H] bf16 (reduce="slots") or ACC [T*H] f32 (reduce="atomic")
-      quantized (cfg.act_dtype fp8/fp4): A holds codes (uint8) and AS its e8m0 bytes [rows*K/32];
-               stage 1 writes codes to Y (uint8) and e8m0 bytes to YS [P*I/32]. Otherwise AS/YS
-               are unused one-element placeholders.
+    quantized (cfg.act_dtype fp8/fp4), two more tensors after Y:
+    launcher(A, W, S, OFS, SID, BE, TW, Y, AS, YS, num_tokens, num_rows, beta, lin_beta[, stream])
+      A holds codes (uint8) and AS their e8m0 bytes [rows * K/32]; stage 1 writes codes to Y
+      (uint8) and e8m0 bytes to YS [P * I/32] (stage 2 leaves YS alone).
       W/S/OFS: one layer's experts, flat; OFS is read only when cfg.has_offsets.
       num_rows = P (a multiple of BM); beta/lin_beta are read only for runtime-beta situv2.
     """
@@ -259,50 +260,86 @@ def build(cfg: KernelConfig):
     class ActTile:
         x: fx.Array[fx.Int32, max(BM * L.lds_row_bytes(U) // 4, 4), 16]
 
-    @flyc.kernel(name=cfg.name, known_block_size=[threads, 1, 1])
-    def k3moe(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
-              TW: fx.Tensor, Y: fx.Tensor, AS: fx.Tensor, YS: fx.Tensor, num_tokens: fx.Int32,
-              num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32):
-        tid = fx.thread_idx.x
+    def prologue(tid, BE):
         lane = tid & 63
         wave = fx.Int32(rocdl.readfirstlane(T.i32, (tid >> 6).ir_value()))
         g, r = L.lane_split(lane)
-        bid_m = fx.block_idx.x
-        bid_n = fx.block_idx.y
-        bid_k = fx.block_idx.z
-        expert = rocdl.s_buffer_load(rocdl.make_buffer_ptr(fx.get_iter(BE)), bid_m)
-        if expert >= 0:                                   # unused alignment blocks exit at once
-            e64 = fx.Int64(expert)
-            rw = D.rsrc(D.expert_ptr(W, e64 * code_stride))
-            rs = D.rsrc(D.expert_ptr(S, e64 * group_stride))
-            ro = D.rsrc(D.expert_ptr(OFS, e64 * group_stride))
-            rsid = D.rsrc(fx.get_iter(SID))
-            ra = _activation_rsrc(cfg, A, num_tokens, num_rows)
-            ras = _act_scale_rsrc(cfg, AS, num_tokens, num_rows)
-            p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, cfg.n_rep)[0] + r
-                      for mi in range_constexpr(m_rep)]
-            slots = [D.load_i32(rsid, L.sid_byte_offset(p)) for p in p_rows]
-            a_rows = _activation_rows(cfg, slots, p_rows)
-            w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
-            lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid)
+        expert = rocdl.s_buffer_load(rocdl.make_buffer_ptr(fx.get_iter(BE)), fx.block_idx.x)
+        return lane, wave, g, r, expert
 
-            accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range_constexpr(n_acc)]
-            for it in range(iters):
-                kb0 = (fx.Int32(bid_k) * iters + fx.Int32(it)) * U
-                _stage_tile(cfg, ra, lds, plan, kb0)
-                for u in range_constexpr(U):
-                    accs = _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb0 + u, u, g, r)
-                _end_tile(cfg)
+    def operands(A, W, S, OFS, SID, AS, expert, tid, wave, r, num_tokens, num_rows):
+        bid_m, bid_n = fx.block_idx.x, fx.block_idx.y
+        e64 = fx.Int64(expert)
+        rw = D.rsrc(D.expert_ptr(W, e64 * code_stride))
+        rs = D.rsrc(D.expert_ptr(S, e64 * group_stride))
+        ro = D.rsrc(D.expert_ptr(OFS, e64 * group_stride))
+        rsid = D.rsrc(fx.get_iter(SID))
+        ra = _activation_rsrc(cfg, A, num_tokens, num_rows)
+        ras = _act_scale_rsrc(cfg, AS, num_tokens, num_rows)
+        p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, cfg.n_rep)[0] + r for mi in range(m_rep)]
+        slots = [D.load_i32(rsid, L.sid_byte_offset(p)) for p in p_rows]
+        a_rows = _activation_rows(cfg, slots, p_rows)
+        w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
+        lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid)
+        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_acc)]
+        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, slots, p_rows), accs
 
-            _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
-                    bid_m, bid_n, wave, g, lane)
+    def k_iteration(ops, accs, it, g, r):
+        rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows = ops[:9]
+        kb0 = (fx.Int32(fx.block_idx.z) * iters + fx.Int32(it)) * U
+        _stage_tile(cfg, ra, lds, plan, kb0)
+        for u in range(U):
+            accs = _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb0 + u, u, g, r)
+        _end_tile(cfg)
+        return accs
 
-    @flyc.jit
-    def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
-               TW: fx.Tensor, Y: fx.Tensor, AS: fx.Tensor, YS: fx.Tensor, num_tokens: fx.Int32,
-               num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32, stream: fx.Stream = fx.Stream(None)):
-        k3moe(A, W, S, OFS, SID, BE, TW, Y, AS, YS, num_tokens, num_rows, beta, lin_beta).launch(
-            grid=(num_rows // BM, cfg.N // BN, cfg.split_k), block=(threads, 1, 1), stream=stream)
+    def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
+        slots, p_rows = ops[9:]
+        _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
+                fx.block_idx.x, fx.block_idx.y, wave, g, lane)
+
+    # Two signatures: quantized kernels take the activation scales AS and stage 1's output
+    # scales YS. The bf16 kernels keep the shorter one: two more (unused) kernel arguments
+    # changed LLVM's scheduling of them (measured 46 -> 92 VGPRs on gfx950 stage 1).
+    if cfg.quantized:
+        @flyc.kernel(name=cfg.name, known_block_size=[threads, 1, 1])
+        def k3moe_q(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                    TW: fx.Tensor, Y: fx.Tensor, AS: fx.Tensor, YS: fx.Tensor, num_tokens: fx.Int32,
+                    num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32):
+            tid = fx.thread_idx.x
+            lane, wave, g, r, expert = prologue(tid, BE)
+            if expert >= 0:                               # unused alignment blocks exit at once
+                ops, accs = operands(A, W, S, OFS, SID, AS, expert, tid, wave, r, num_tokens, num_rows)
+                for it in range(iters):
+                    accs = k_iteration(ops, accs, it, g, r)
+                epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
+
+        @flyc.jit
+        def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                   TW: fx.Tensor, Y: fx.Tensor, AS: fx.Tensor, YS: fx.Tensor, num_tokens: fx.Int32,
+                   num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32,
+                   stream: fx.Stream = fx.Stream(None)):
+            k3moe_q(A, W, S, OFS, SID, BE, TW, Y, AS, YS, num_tokens, num_rows, beta, lin_beta).launch(
+                grid=(num_rows // BM, cfg.N // BN, cfg.split_k), block=(threads, 1, 1), stream=stream)
+    else:
+        @flyc.kernel(name=cfg.name, known_block_size=[threads, 1, 1])
+        def k3moe(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                  TW: fx.Tensor, Y: fx.Tensor, num_tokens: fx.Int32, num_rows: fx.Int32,
+                  beta: fx.Float32, lin_beta: fx.Float32):
+            tid = fx.thread_idx.x
+            lane, wave, g, r, expert = prologue(tid, BE)
+            if expert >= 0:                               # unused alignment blocks exit at once
+                ops, accs = operands(A, W, S, OFS, SID, None, expert, tid, wave, r, num_tokens, num_rows)
+                for it in range(iters):
+                    accs = k_iteration(ops, accs, it, g, r)
+                epilogue(ops, accs, Y, None, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
+
+        @flyc.jit
+        def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                   TW: fx.Tensor, Y: fx.Tensor, num_tokens: fx.Int32, num_rows: fx.Int32,
+                   beta: fx.Float32, lin_beta: fx.Float32, stream: fx.Stream = fx.Stream(None)):
+            k3moe(A, W, S, OFS, SID, BE, TW, Y, num_tokens, num_rows, beta, lin_beta).launch(
+                grid=(num_rows // BM, cfg.N // BN, cfg.split_k), block=(threads, 1, 1), stream=stream)
 
     if cfg.waves_per_eu:
         launch.compile_hints = {**launch.compile_hints, "waves_per_eu": cfg.waves_per_eu}
