@@ -141,7 +141,8 @@ def test_stage1_writes_the_quantized_activation_of_each_sorted_row(gen, act_dtyp
     scheme = ActQuant.for_dtype(act_dtype)
     rows = seen["sid"] < T * K                                     # real (token, slot) rows, not padding
     P = seen["sid"].numel()
-    got = scheme.dequantize(seen["inter"].view(P, -1), seen["scales"].view(P, -1), "inter")[rows]
+    # rows of unused alignment blocks are never written (torch.empty): decode only the real ones
+    got = scheme.dequantize(seen["inter"].view(P, -1)[rows], seen["scales"].view(P, -1)[rows], "inter")
     slots = seen["sid"][rows].long()
     experts = seen["be"].repeat_interleave(P // seen["be"].numel())[rows].long()
     xq = scheme.fake_quant(x.float(), "hidden")
