@@ -202,3 +202,24 @@ def test_self_check_compares_with_the_same_activation_quantization(gen):
 
 def test_dispatch_module_names_the_setting_in_its_docstring():
     assert ENV_ACT_DTYPE in dispatch.__doc__
+
+
+def test_a_backend_plugs_fp8_in_through_its_hooks(monkeypatch):
+    """A stand-in for the Triton package (not on this branch) declaring fp8 on sm_90 with per-token
+    scales: the plan keeps it first and the torch fallback emulates the same scheme."""
+    module = types.ModuleType("hooked_triton")
+    module.supported_act_dtypes = lambda arch: ("bf16", "fp8") if dispatch.sm_version(arch) >= 89 else ("bf16",)
+    module.act_quant_for = lambda arch, act: ActQuant(act, "token", "token") if act == "fp8" else ActQuant(act)
+    module.make_backend = lambda **options: options
+    monkeypatch.setitem(sys.modules, "hooked_triton", module)
+    monkeypatch.setitem(kernels.BACKEND_MODULES, "triton", "hooked_triton")
+    got = plan("cuda", "sm_90", **{ENV_ACT_DTYPE: "fp8"})
+    assert got == [("triton", {"weight_format": "mxfp4", "act_dtype": "fp8"}),
+                   ("torch", {"weight_format": "mxfp4", "act_dtype": "fp8",
+                              "act_quant": ActQuant("fp8", "token", "token")})]
+    assert get_backend("triton", weight_format="mxfp4", act_dtype="fp8") == {"weight_format": "mxfp4",
+                                                                          "act_dtype": "fp8"}
+    with pytest.raises(UnsupportedActDtype, match="sm_80.*supported on sm_80: bf16"):
+        plan("cuda", "sm_80", **{ENV_ACT_DTYPE: "fp8"})
+    with pytest.raises(UnsupportedActDtype, match="fp4.*sm_90.*supported on sm_90: bf16, fp8"):
+        plan("cuda", "sm_90", **{ENV_ACT_DTYPE: "fp4"})
