@@ -13,10 +13,14 @@ Bounds (docs/FORMATS.md, "Quantized activations"):
     bf16 rounding of the per-slot outputs (as in the bf16 kernels) and the rare
     intermediate element whose code flips because the fp32 stage-1 sum, in the
     kernel's order, lands on the other side of a rounding boundary. Measured
-    1.5e-3..1.9e-3.
-  FAITHFUL_BOUND 1e-3: against a reference rounding exactly where the kernels round
-    (fp32 stage 1, intermediate quantized from fp32, bf16 slot outputs): only the
-    code flips remain. Measured 0..4e-4.
+    1.5e-3..2.2e-3.
+  FAITHFUL_BOUND: against a reference rounding exactly where the kernels round
+    (fp32 stage 1, intermediate quantized from fp32, bf16 slot outputs) only the
+    code flips remain: an element whose fp32 sum, in the kernel's order, lands on
+    the other side of a rounding boundary moves by one code step, at most 2^-3 of
+    itself in e4m3 but up to a third of its block's maximum in e2m1. fp8 1e-3
+    (measured 0..1.9e-4); fp4 1e-2 (0 in most runs; about 1 run in 40 has one flip,
+    measured 1.8e-3).
   COST_BOUND: against the float64 reference without activation quantization, the
     price of the format: 2^-4 (fp8), 2^-2 (fp4); measured 4.6e-2..4.8e-2 and
     0.21..0.22.
@@ -40,7 +44,7 @@ from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
 from kimi_k3_moe.reference import dense_moe, relative_l2
 
 SAME_QUANT_BOUND = 1.5e-2
-FAITHFUL_BOUND = 1e-3
+FAITHFUL_BOUND = {"fp8": 1e-3, "fp4": 1e-2}
 COST_BOUND = {"fp8": 2 ** -4, "fp4": 2 ** -2}
 ACTS = ["fp8", "fp4"]
 E, H, I, T, K = 6, 256, 128, 40, 4
@@ -88,7 +92,7 @@ def check(prep, x, tw, ids, act, act_dtype, reduce="slots", **kw):
     cost = relative_l2(out, reference(prep, x, tw, ids, act, ActQuant()))
     print(f"{act_dtype} {act} reduce={reduce}: rel L2 vs same-quantization float64 reference {same:.2e}, "
           f"vs kernel-rounding reference {exact:.2e}, vs unquantized float64 reference {cost:.2e}")
-    assert same < SAME_QUANT_BOUND and exact < FAITHFUL_BOUND and cost < COST_BOUND[act_dtype]
+    assert same < SAME_QUANT_BOUND and exact < FAITHFUL_BOUND[act_dtype] and cost < COST_BOUND[act_dtype]
     return out
 
 
@@ -150,9 +154,10 @@ def test_stage1_writes_the_quantized_activation_of_each_sorted_row(gen, act_dtyp
     want = scheme.fake_quant(SITU.apply(pre), "inter")
     assert torch.equal(experts, ids.reshape(-1)[slots].long())   # rows hold their slot's expert
     mismatch = (got != want).float().mean()
-    print(f"{act_dtype}: {mismatch:.2%} of intermediate elements differ from the CPU quantizer "
+    print(f"{act_dtype}: {mismatch:.3%} of intermediate elements differ from the CPU quantizer "
           f"(fp32 sum order), relative L2 {relative_l2(got, want):.1e}")
-    assert mismatch < 0.01 and relative_l2(got, want) < FAITHFUL_BOUND
+    # flips only (see FAITHFUL_BOUND): a handful of elements at most, each one code step
+    assert (got != want).sum() <= max(2, got.numel() // 1000) and relative_l2(got, want) < 3e-2
 
 
 # ------------------------------------------------------------------ the whole layer
@@ -234,7 +239,7 @@ def test_wrong_indices_are_caught(gen, monkeypatch, act_dtype, name, wrong):
         print(f"{name}: emulator refused ({exc})")
         return
     print(f"{name}: relative L2 {relative_l2(bad, good):.2e} from the right result")
-    assert relative_l2(bad, good) > 10 * FAITHFUL_BOUND
+    assert relative_l2(bad, good) > 10 * FAITHFUL_BOUND[act_dtype]
 
 
 def test_decoded_codes_are_compared_never_packed_bytes():
