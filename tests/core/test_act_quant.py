@@ -152,9 +152,10 @@ def test_routed_experts_reads_the_setting(gen, monkeypatch):
     runner = RoutedExperts(SITU, platform=Platform("cpu"))
     assert runner.load(experts).act_quant == ActQuant("fp4")
     x, tw, ids = routing(gen, 5, 4, 2, 64)
-    expected = moe_forward(x, *experts.tensors(), tw, ids, SITU, compute_dtype=torch.float64,
-                           act_quant=ActQuant("fp4"))
-    assert relative_l2(runner(x.float(), tw.float(), ids), expected) < 1e-5
+    # the torch backend is the fp32 reference's own arithmetic (a float64 reference could round
+    # an intermediate element that sits on an e2m1 boundary the other way)
+    expected = moe_forward(x.float(), *experts.tensors(), tw.float(), ids, SITU, act_quant=ActQuant("fp4"))
+    assert torch.equal(runner(x.float(), tw.float(), ids), expected)
 
 
 # ------------------------------------------------------------------ reference and self-check
