@@ -26,9 +26,13 @@ def _row(k: dict) -> str:
     if not rep or k["status"] != "ok":
         return f"| `{k['name']}` | {k['status']} | | | | | | | | |"
     c, m, i, o = rep["config"], rep["metadata"], rep["isa"], rep["occupancy"]
-    mfma = ", ".join(f"{n.replace('v_mfma_f32_', '')} x{v}" for n, v in sorted(i["mfma"].items()))
+    mfma = ", ".join(f"{n.replace('v_mfma_f32_', '').replace('v_mfma_', '')} x{v}"
+                     for n, v in sorted(i["mfma"].items())) or "none"
     spills = f"{m['vgpr_spill_count']}/{m['sgpr_spill_count']}"
-    return (f"| `{k['name']}` | {c['arch']} s{c['stage']} | {m['vgpr_count']} / {m['agpr_count']} | "
+    stage = "quant" if c["stage"] == 0 else f"s{c['stage']}"
+    act = c.get("act_dtype", "bf16")
+    stage += "" if act == "bf16" else f" {act}"
+    return (f"| `{k['name']}` | {c['arch']} {stage} | {m['vgpr_count']} / {m['agpr_count']} | "
             f"{m['sgpr_count']} | {m['group_segment_fixed_size']} | {m['private_segment_fixed_size']} | {spills} | "
             f"{o['waves_per_simd']} ({o['waves_by_regs']} / {o['waves_by_lds']}) | {mfma} | {rep['compile_s']} |")
 
@@ -49,9 +53,10 @@ def section(summary: dict, flydsl_version: str) -> str:
         "consulted. MFMA counts are per emitted loop body (short K loops are fully unrolled).".format(
             ok=ok, n=len(kernels), w=summary.get("wall_s", "?")),
         "",
-        "Names: `k3moe_s<stage>_<arch>_<format>_n<N>_k<K>_top<k>_bm<BM>_w<waves>x<n_rep>_u<K unroll>[_lds][_wpe<n>]_"
-        "<activation with exact beta bits | reduction>`; shape = Kimi-K3 per rank at TP8 (hidden 3584, "
-        "intermediate 384, top-16).",
+        "Names: `k3moe_s<stage>_<arch>_<format>[_a8|_a4]_n<N>_k<K>_top<k>_bm<BM>_w<waves>x<n_rep>_u<K unroll>[_lds]"
+        "[_wpe<n>]_<activation with exact beta bits | reduction>`; `_a8`/`_a4`: fp8/fp4 activations on the "
+        "scaled MFMA (`scale_f32_16x16x128_f8f6f4`); `k3moe_q_<arch>_<fp8|fp4>_w<waves>`: the activation "
+        "quantization kernel. Shape = Kimi-K3 per rank at TP8 (hidden 3584, intermediate 384, top-16).",
         "",
         "| kernel | arch, stage | VGPR / AGPR | SGPR | LDS B | scratch B | spills V/S | waves/SIMD (regs / LDS) "
         "| MFMA | compile s |",

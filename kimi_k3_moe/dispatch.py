@@ -8,6 +8,13 @@
 
 `KIMI_K3_MOE_BACKEND=torch|triton|flydsl` replaces the plan with that one
 backend, and fails loudly where it cannot run.
+
+`KIMI_K3_MOE_ACT_DTYPE=bf16|fp8|fp4` (default bf16) opts in to quantized
+activations. Every choice carries it as its `act_dtype` option; backends whose
+kernels do not run it on this arch (their package's `supported_act_dtypes`) leave
+the plan, the torch fallback emulates the scheme of the kernels it stands behind,
+and a GPU where no kernel backend runs it refuses the setting here, at load,
+naming the arch and what it supports. Nothing falls back to bf16.
 """
 from __future__ import annotations
 
@@ -19,7 +26,9 @@ from typing import Any
 
 import torch
 
-from kimi_k3_moe.kernels import BACKEND_MODULES, BackendUnavailable, MoEBackend, get_backend
+from kimi_k3_moe.act_quant import BF16, ENV_ACT_DTYPE, UnsupportedActDtype, resolve_act_dtype
+from kimi_k3_moe.kernels import (BACKEND_MODULES, BackendUnavailable, MoEBackend, act_quant_for, get_backend,
+                                 supported_act_dtypes)
 
 ENV_BACKEND = "KIMI_K3_MOE_BACKEND"
 FLYDSL_ARCHS = ("gfx942", "gfx950")
@@ -90,14 +99,50 @@ def _choices_for(platform: Platform) -> list[BackendChoice]:
     return [torch_choice]
 
 
-def plan_backends(platform: Platform | None = None, env: Mapping[str, str] | None = None) -> list[BackendChoice]:
-    """Backends to try in order on `platform` (detected when None)."""
+def _with_act_dtype(plan: list[BackendChoice], platform: Platform, act_dtype: str,
+                    forced: bool) -> list[BackendChoice]:
+    """Each choice with `act_dtype` in its options; those that cannot run it dropped (or, forced, refused)."""
+    arch = platform.arch if platform.is_gpu else None
+    kept, kernels_support = [], set()
+    for choice in plan:
+        supported = supported_act_dtypes(choice.name, arch)
+        if choice.name != "torch":
+            kernels_support.update(supported)
+        if act_dtype in supported:
+            kept.append(BackendChoice(choice.name, {**choice.options, "act_dtype": act_dtype}, choice.reason))
+        elif forced:
+            raise UnsupportedActDtype(f"{ENV_ACT_DTYPE}={act_dtype!r}: the {choice.name} backend ({ENV_BACKEND}) "
+                                      f"does not run it on {platform}; supported there: {', '.join(supported)}")
+    kernel_choices = [c for c in kept if c.name != "torch"]
+    if act_dtype != BF16 and platform.is_gpu and not forced and not kernel_choices:
+        choices = [d for d in (BF16, "fp8", "fp4") if d in kernels_support | {BF16}]
+        raise UnsupportedActDtype(f"{ENV_ACT_DTYPE}={act_dtype!r} is not available on {platform}: no kernel "
+                                  f"backend here runs {act_dtype} activations; supported on {platform.arch}: "
+                                  f"{', '.join(choices)}")
+    if act_dtype != BF16 and kernel_choices:
+        # the torch fallback computes what the kernels in front of it compute
+        scheme = act_quant_for(kernel_choices[0].name, arch, act_dtype)
+        kept = [BackendChoice(c.name, {**c.options, "act_quant": scheme}, c.reason) if c.name == "torch" else c
+                for c in kept]
+    return kept
+
+
+def plan_backends(platform: Platform | None = None, env: Mapping[str, str] | None = None,
+                  act_dtype: str | None = None) -> list[BackendChoice]:
+    """Backends to try in order on `platform` (detected when None).
+
+    `act_dtype` (else $KIMI_K3_MOE_ACT_DTYPE, else bf16) goes into every choice's options.
+    """
     platform = platform or detect_platform()
     env = os.environ if env is None else env
-    plan = _choices_for(platform)
+    act_dtype = resolve_act_dtype(act_dtype, env)
     forced = env.get(ENV_BACKEND, "").strip()
-    if not forced:
-        return plan
+    return _with_act_dtype(_forced_plan(platform, forced) if forced else _choices_for(platform), platform,
+                           act_dtype, forced=bool(forced))
+
+
+def _forced_plan(platform: Platform, forced: str) -> list[BackendChoice]:
+    plan = _choices_for(platform)
     if forced not in BACKEND_MODULES:
         raise ValueError(f"{ENV_BACKEND}={forced!r} is not a backend; choose one of {sorted(BACKEND_MODULES)}")
     for choice in plan:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from kimi_k3_moe.act_quant import ActQuant
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import mxfp4
 
@@ -43,17 +44,24 @@ def dense_moe(
     expert_map: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
+    act_quant: ActQuant | None = None,
 ) -> torch.Tensor:
-    """The MoE over experts given as float weight callables; output in hidden's dtype."""
+    """The MoE over experts given as float weight callables; output in hidden's dtype.
+
+    `act_quant` rounds the activations where quantized-activation kernels do: the
+    hidden rows once (stage-1 input) and each expert's activated intermediate
+    (stage-2 input), through the formats' CPU quantizers; None or bf16 leaves them.
+    """
     check_routing(hidden, topk_weights, topk_ids)
     local = local_slots(topk_ids, expert_map)
-    x = hidden.to(compute_dtype)
+    act_quant = act_quant or ActQuant()
+    x = act_quant.fake_quant(hidden.to(compute_dtype), "hidden")
     out = torch.zeros_like(x)
     for expert in torch.unique(local[local >= 0]).tolist():
         token_idx, slot_idx = torch.nonzero(local == expert, as_tuple=True)
         w13 = w13_of(expert).to(compute_dtype)
         w2 = w2_of(expert).to(compute_dtype)
-        inter = activation.apply(x[token_idx] @ w13.T)
+        inter = act_quant.fake_quant(activation.apply(x[token_idx] @ w13.T), "inter")
         y = (inter @ w2.T) * topk_weights[token_idx, slot_idx].to(compute_dtype).unsqueeze(1)
         out.index_add_(0, token_idx, y)
     return out.to(hidden.dtype)
@@ -71,18 +79,19 @@ def moe_forward(
     expert_map: torch.Tensor | None = None,
     *,
     compute_dtype: torch.dtype = torch.float32,
+    act_quant: ActQuant | None = None,
 ) -> torch.Tensor:
     """The MoE on MXFP4 experts ([E, 2I, H/2], [E, 2I, H/32], [E, H, I/2], [E, H, I/32]).
 
     `expert_map` (global id -> local id, -1 = elsewhere) makes this the
-    rank's partial sum over the experts it holds.
+    rank's partial sum over the experts it holds. `act_quant` as in `dense_moe`.
     """
     return dense_moe(
         hidden,
         lambda e: mxfp4.dequantize(w13_packed[e], w13_scale[e], name=f"w13[{e}]"),
         lambda e: mxfp4.dequantize(w2_packed[e], w2_scale[e], name=f"w2[{e}]"),
         topk_weights, topk_ids, activation, expert_map,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, act_quant=act_quant,
     )
 
 

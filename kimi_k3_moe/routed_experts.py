@@ -19,7 +19,7 @@ from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check, self_check_m
 
 logger = logging.getLogger("kimi_k3_moe")
 
-# (backend, activation, shape, device) -> error, so 92 layers check once.
+# (backend, activation quantization, activation, shape, device) -> error, so 92 layers check once.
 _CHECKED: dict[tuple, float] = {}
 
 
@@ -66,7 +66,7 @@ class RoutedExperts:
     def _check(self, backend: MoEBackend, experts: ExpertWeights) -> None:
         if self.self_check == "off" or backend.name == "torch":
             return  # the torch backend is the reference's own arithmetic
-        key = (backend.describe(), self.activation, experts.hidden_size,
+        key = (backend.describe(), getattr(backend, "act_quant", None), self.activation, experts.hidden_size,
                experts.intermediate_size, str(experts.device))
         if key not in _CHECKED:
             _CHECKED[key] = run_self_check(backend, experts, self.activation)

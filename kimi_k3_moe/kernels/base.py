@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kimi_k3_moe.act_quant import BF16_ACTIVATIONS, ActQuant
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import mxfp4
 
@@ -99,10 +100,13 @@ class MoEBackend(ABC):
 
     `prepare` converts MXFP4 experts once, at load; `forward` runs per batch.
     `dequantize_prepared` returns the float weights the prepared form encodes,
-    which is what the self-check compares the kernel against.
+    which is what the self-check compares the kernel against. `act_quant` is the
+    activation quantization the kernels apply (bf16: none); the self-check's
+    reference applies the same.
     """
 
     name: str = "?"
+    act_quant: ActQuant = BF16_ACTIVATIONS
 
     @abstractmethod
     def available(self) -> tuple[bool, str]:

@@ -19,12 +19,13 @@ def plan(vendor, arch=None, **env):
 
 
 def test_plans_per_platform():
-    assert plan("rocm", "gfx950") == [("flydsl", {"arch": "gfx950", "weight_format": "mxfp4"}),
-                                      ("triton", {"weight_format": "mxfp4"}),
-                                      ("torch", {"weight_format": "mxfp4"})]
-    assert plan("rocm", "gfx942") == [("flydsl", {"arch": "gfx942", "weight_format": "int4"}),
-                                      ("triton", {"weight_format": "int4"}),
-                                      ("torch", {"weight_format": "int4"})]
+    bf16 = {"act_dtype": "bf16"}
+    assert plan("rocm", "gfx950") == [("flydsl", {"arch": "gfx950", "weight_format": "mxfp4", **bf16}),
+                                      ("triton", {"weight_format": "mxfp4", **bf16}),
+                                      ("torch", {"weight_format": "mxfp4", **bf16})]
+    assert plan("rocm", "gfx942") == [("flydsl", {"arch": "gfx942", "weight_format": "int4", **bf16}),
+                                      ("triton", {"weight_format": "int4", **bf16}),
+                                      ("torch", {"weight_format": "int4", **bf16})]
     assert [n for n, _ in plan("rocm", "gfx90a")] == ["triton", "torch"]
     assert [n for n, _ in plan("cuda", "sm_90")] == ["triton", "torch"]
     assert [n for n, _ in plan("cuda", "sm_75")] == ["torch"]
@@ -32,9 +33,10 @@ def test_plans_per_platform():
 
 
 def test_env_forces_one_backend():
-    assert plan("rocm", "gfx942", **{ENV_BACKEND: "triton"}) == [("triton", {"weight_format": "int4"})]
-    assert plan("cpu", **{ENV_BACKEND: "torch"}) == [("torch", {"weight_format": "mxfp4"})]
-    assert plan("cpu", **{ENV_BACKEND: "triton"}) == [("triton", {})]
+    bf16 = {"act_dtype": "bf16"}
+    assert plan("rocm", "gfx942", **{ENV_BACKEND: "triton"}) == [("triton", {"weight_format": "int4", **bf16})]
+    assert plan("cpu", **{ENV_BACKEND: "torch"}) == [("torch", {"weight_format": "mxfp4", **bf16})]
+    assert plan("cpu", **{ENV_BACKEND: "triton"}) == [("triton", bf16)]
     with pytest.raises(BackendUnavailable, match="flydsl.*gfx942.*cpu"):
         plan("cpu", **{ENV_BACKEND: "flydsl"})
     with pytest.raises(ValueError, match="'cuda-magic'"):

@@ -144,3 +144,33 @@ def test_prepared_form_rejects_inconsistent_tensors(gen):
     with pytest.raises(ValueError, match="w13_scale"):
         FlyDSLExperts("mxfp4", layer.w13_packed, layer.w13_scale[:, :, :-1].contiguous(),
                       layer.w2_packed, layer.w2_scale)
+
+
+# ------------------------------------------------------------------ quantized activations
+@pytest.mark.parametrize("act_dtype", ["fp8", "fp4"])
+def test_self_check_passes_emulated_quantized_kernels_and_refuses_a_wrong_one(gen, act_dtype):
+    layer = random_layer(gen, experts=4, hidden=256, inter=128)
+    backend = EmulatedFlyDSL(arch="gfx950", act_dtype=act_dtype)
+    assert backend.act_quant.dtype == act_dtype
+    err = run_self_check(backend, layer, SITU, num_tokens=11)
+    assert err < 1.5e-2
+    with pytest.raises(SelfCheckFailed, match=f"activations {act_dtype}.*relative L2"):
+        run_self_check(SiluOnlyEmulated(arch="gfx950", act_dtype=act_dtype), layer, SITU, num_tokens=11)
+
+
+def test_gfx942_refuses_quantized_activations_when_the_backend_is_made():
+    """Refused with a message at get_backend time, before anything could reach LLVM (which would abort)."""
+    for act in ("fp8", "fp4"):
+        with pytest.raises(ValueError, match=f"act_dtype='{act}'.*gfx942.*supported there: bf16"):
+            get_backend("flydsl", arch="gfx942", act_dtype=act)
+    plan = plan_backends(Platform("rocm", "gfx950", "test"), env={"KIMI_K3_MOE_ACT_DTYPE": "fp4"})
+    backend = plan[0].make()
+    assert backend.act_quant.dtype == "fp4" and "a4" in backend.describe()
+
+
+def test_precompile_list_includes_the_quantizer(gen, monkeypatch):
+    backend = EmulatedFlyDSL(arch="gfx950", act_dtype="fp8")
+    prepared = backend.prepare(random_layer(gen, experts=2))
+    monkeypatch.setattr(backend, "_compiled_for", lambda cfg: None)
+    names = backend.precompile(prepared, SITU, top_k=2)
+    assert names[0] == "k3moe_q_gfx950_fp8_w4" and all("_a8_" in n for n in names[1:])

@@ -1,4 +1,5 @@
-"""Compile-only checks: every table tile x (gfx942, gfx950) x (silu, situv2) and the variants.
+"""Compile-only checks: every table tile x (gfx942, gfx950) x (silu, situv2) and the variants,
+and gfx950's fp8/fp4-activation kernels (scaled MFMA) with their quantization kernels.
 
 Each configuration compiles in its own process (an instruction the target lacks
 aborts LLVM). Nothing here runs a kernel: there is no AMD GPU on this machine.
@@ -49,7 +50,7 @@ def test_compiles_with_expected_mfma_and_no_scratch(compiled, cfg):
     rep = result.report
     meta, isa = rep["metadata"], rep["isa"]
     assert meta["target"].endswith(cfg.arch) and meta["name"] == cfg.name == rep["jit_name"]
-    assert set(isa["mfma"]) == {artifacts.EXPECTED_MFMA[cfg.arch]}, isa["mfma"]
+    assert set(isa["mfma"]) == artifacts.expected_mfma(cfg), isa["mfma"]
     assert meta["vgpr_spill_count"] == meta["sgpr_spill_count"] == 0
     assert meta["private_segment_fixed_size"] == 0 and isa["scratch_instructions"] == 0
     assert rep["occupancy"]["waves_per_simd"] >= 1
@@ -58,15 +59,48 @@ def test_compiles_with_expected_mfma_and_no_scratch(compiled, cfg):
         assert not [op for op in GFX950_ONLY if re.search(rf"^\s*{op}", text, re.M)]
     if cfg.stage == 1:   # the activation is exp2/rcp arithmetic, never a tanh libcall
         assert isa["v_exp_f32"] > 0 and isa["v_rcp_f32"] > 0
-    else:
+    elif cfg.stage == 2:
         assert isa["v_exp_f32"] == 0
         assert isa["buffer_atomics"] == (["buffer_atomic_add_f32"] if cfg.reduce == "atomic" else [])
+    else:                # activation quantization: integer and float arithmetic, stores, nothing else
+        assert isa["v_exp_f32"] == 0 and not isa["buffer_atomics"] and isa["ds_bpermute"] == 0
+
+
+QUANTIZED = [c for c in CONFIGS if c.stage and c.act_dtype != "bf16"]
+
+
+@pytest.mark.parametrize("cfg", QUANTIZED, ids=[c.name for c in QUANTIZED])
+def test_quantized_activation_kernels_use_the_right_operand_formats(compiled, cfg):
+    """e2m1 weights are the A operand (cbsz 4); activations B: e4m3 (blgp 0, printed as no blgp) or e2m1."""
+    isa = compiled[cfg.name].report["isa"]
+    assert isa["scaled_mfma_formats"] == (["cbsz:4 blgp:4"] if cfg.act_dtype == "fp4" else ["cbsz:4"])
+    text = Path(compiled[cfg.name].report["isa_file"]).read_text()
+    if cfg.stage == 1:   # the 32-column amax crosses lane groups; codes and scale bytes are stored
+        assert isa["ds_bpermute"] == 2 * (cfg.n_rep // 2) * (cfg.BM // 16)
+        assert re.search(r"^\s*buffer_store_byte", text, re.M)
+        assert re.search(r"^\s*buffer_store_(dword|short)\s", text, re.M)
+    else:
+        assert isa["ds_bpermute"] == 0
+
+
+def test_act_dtypes_never_share_a_cache_entry(compiled):
+    """bf16, fp8 and fp4 kernels of one tile and activation: distinct names, symbols and cache keys."""
+    tier0 = {}
+    for c in CONFIGS:
+        if c.arch == "gfx950" and c.stage == 1 and c.BM == 16 and c.activation_tag() in ("silu", K3_SITU.cache_tag()):
+            tier0.setdefault((c.act_dtype, c.activation_tag()), c)
+    assert {k[0] for k in tier0} == {"bf16", "fp8", "fp4"} and len(tier0) == 6, sorted(tier0)
+    quant = [c for c in CONFIGS if c.stage == 0]
+    reports = [compiled[c.name].report for c in [*tier0.values(), *quant]]
+    for field in ("disk_cache_key", "artifact_key", "name", "jit_name"):
+        values = [r[field] for r in reports]
+        assert len(set(values)) == len(values), (field, values)
 
 
 def test_activations_and_beta_pairs_never_share_a_cache_entry(compiled):
     for arch in ("gfx942", "gfx950"):
         stage1 = [c for c in CONFIGS if c.arch == arch and c.stage == 1 and c.BM == 16 and not c.has_offsets
-                  and c.int4_decode == "shift"]
+                  and c.int4_decode == "shift" and c.act_dtype == "bf16"]
         tags = {c.activation_tag(): c for c in stage1}
         wanted = ["silu", K3_SITU.cache_tag(), OTHER_SITU.cache_tag(), "situv2_rtbeta"]
         assert set(wanted) <= set(tags), sorted(tags)

@@ -94,6 +94,11 @@ def test_shapes_the_kernels_cannot_tile_are_refused_by_name():
     (dict(BM=16, a_lds=True, waves=8, n_rep=1), "split evenly"),
     (dict(has_offsets=True, arch="gfx950", weight_format="mxfp4"), "int4 weights only"),
     (dict(waves_per_eu=9), "waves_per_eu"),
+    (dict(act_dtype="fp8"), "act_dtype 'fp8' has no kernel on gfx942"),
+    (dict(arch="gfx950", weight_format="int4", act_dtype="fp4"), "runs on MXFP4 weights"),
+    (dict(arch="gfx950", weight_format="mxfp4", act_dtype="fp8", n_rep=1), "n_rep must be even"),
+    (dict(arch="gfx950", weight_format="mxfp4", act_dtype="fp8", n_rep=2, a_lds=True, BM=32), "a_lds"),
+    (dict(arch="gfx950", weight_format="mxfp4", act_dtype="int8"), "'int8' has no kernel on gfx950"),
 ])
 def test_invalid_configs_are_refused_when_made(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -157,3 +162,20 @@ def test_sweep_covers_every_tier_tile():
             for act in (SILU, SITU):
                 assert set(tiles.stage_configs(arch, fmt, num_tokens=n, activation=act, **K3)) <= configs
     assert any(c.has_offsets for c in configs if c.arch == "gfx942")
+
+
+@pytest.mark.parametrize("act_dtype", ["fp8", "fp4"])
+@pytest.mark.parametrize("hidden, inter", [(3584, 384), (7168, 3072), (256, 128), (384, 256)])
+def test_quantized_tiles_keep_scale_groups_whole(act_dtype, hidden, inter):
+    for n in (1, 129, 2049, 100000):
+        c1, c2 = tiles.stage_configs("gfx950", "mxfp4", hidden=hidden, inter=inter, top_k=8, num_tokens=n,
+                                     activation=SITU, act_dtype=act_dtype)
+        assert c1.n_rep % 2 == 0 and not c1.a_lds and not c2.a_lds and c1.act_dtype == c2.act_dtype == act_dtype
+        assert c1.BN == c1.waves * c1.n_rep * 16 and inter % c1.BN == 0
+
+
+def test_quantized_names_differ_from_bf16_and_from_each_other():
+    names = {a: tiles.stage_configs("gfx950", "mxfp4", num_tokens=1, activation=SITU, act_dtype=a, **K3)[0].name
+             for a in ("bf16", "fp8", "fp4")}
+    assert len(set(names.values())) == 3 and "_a8_" in names["fp8"] and "_a4_" in names["fp4"]
+    assert all(n.endswith(SITU.cache_tag()) for n in names.values())

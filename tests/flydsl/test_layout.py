@@ -113,3 +113,60 @@ def test_alignment_places_each_local_slot_once_in_its_experts_blocks(gen, tokens
 def test_alignment_of_a_routing_with_no_local_slot():
     routing = align_tokens(torch.full((3, 2), -1), 4, 16)
     assert bool((routing.block_expert == -1).all()) and bool((routing.sorted_slots == 6).all())
+
+
+# ------------------------------------------------------------------ quantized activations (gfx950)
+def _scaled_inputs(gen, limit):
+    """float32 values over the whole range of a format: random, exact ties, signed zeros, past the max."""
+    from kimi_k3_moe.formats import fp8
+    x = torch.randn(1 << 15, generator=gen) * torch.exp2(torch.randint(-14, 10, (1 << 15,), generator=gen).float())
+    if limit == 6.0:
+        grid = mxfp4.e2m1_table()[:8].double()
+    else:
+        grid = fp8.decode(torch.arange(0, 0x7F, dtype=torch.uint8)).double()
+    ties = ((grid[1:] + grid[:-1]) / 2).float()
+    extra = torch.tensor([0.0, -0.0, limit, -limit, limit * 1.04, -limit * 1.2, 1e-30, -1e-30])
+    return torch.cat([x.clamp(-limit * 1.3, limit * 1.3), ties, -ties, extra])   # e2m1: stays below 8
+
+
+def test_minifloat_codes_equal_the_cpu_codecs_bit_for_bit(gen):
+    from kimi_k3_moe.formats import fp8
+    from kimi_k3_moe.kernels.flydsl.emulator import TorchOps
+
+    x = _scaled_inputs(gen, 448.0)
+    assert torch.equal(L.minifloat_code(x, "fp8", TorchOps).to(torch.uint8), fp8.encode(x))
+    x = _scaled_inputs(gen, 6.0)
+    # mxfp4.quantize with a unit scale: one block per 32 values whose amax is forced into [4, 8)
+    blocks = x[: x.numel() // 32 * 32].view(-1, 32).clone()
+    blocks[:, 0] = 4.0
+    packed, scales = mxfp4.quantize(blocks)
+    assert (scales == 127).all()
+    want = mxfp4.unpack_nibbles(packed)
+    assert torch.equal(L.minifloat_code(blocks, "fp4", TorchOps).to(torch.uint8), want)
+
+
+def test_e8m0_rules_equal_the_cpu_quantizers(gen):
+    from kimi_k3_moe.formats import fp8
+    from kimi_k3_moe.kernels.flydsl.emulator import TorchOps
+
+    amax = torch.rand(8192, generator=gen) * torch.exp2(torch.randint(-130, 120, (8192,), generator=gen).float())
+    amax = torch.cat([amax, torch.tensor([0.0, 448.0, 448.0 * (1 + 2 ** -23), 6.0, 8.0, 1e-45])])
+    bits = TorchOps.bits(amax)
+    assert torch.equal(L.e8m0_from_amax_bits(bits, "fp8", TorchOps).to(torch.uint8), fp8.mx_scale_bytes(amax))
+    blocks = torch.zeros(amax.numel(), 32)
+    blocks[:, 0] = amax
+    assert torch.equal(L.e8m0_from_amax_bits(bits, "fp4", TorchOps).to(torch.uint8), mxfp4.quantize(blocks)[1][:, 0])
+    b = torch.arange(1, 254)
+    assert torch.equal(TorchOps.f32(L.e8m0_reciprocal_bits(b)).double(), torch.exp2(127.0 - b.double()))
+
+
+def test_quantized_operand_loads_follow_the_scaled_mfma_abi():
+    K = 3584
+    # e2m1 activations: the same 16-byte chunk per lane group as the e2m1 weights
+    assert all(L.qact_byte_offset(5, 3, g, 0, K, "fp4") == L.w_byte_offset(5, 3, g, K) for g in range(4))
+    # e4m3: two 16-byte halves 64 bytes apart, lane groups 16 bytes apart, the row's K128 block at 128 kb
+    offs = [L.qact_byte_offset(2, 1, g, h, K, "fp8") - 2 * K - 128 for g in range(4) for h in range(2)]
+    assert offs == [0, 64, 16, 80, 32, 96, 48, 112]
+    # lane group g supplies the scales of group 4 kb + g for activations and weights alike
+    assert [L.act_scale_index(7, 2, g, K) for g in range(4)] == [L.group_index(7, 2, g, K) for g in range(4)]
+    assert L.amax_partner_lanes(torch.arange(64))[0].tolist() == [(l + 16) % 32 + 32 * (l // 32) for l in range(64)]

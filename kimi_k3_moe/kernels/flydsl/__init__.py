@@ -13,7 +13,13 @@ Importing this package does not import flydsl.
 from __future__ import annotations
 
 
+def supported_act_dtypes(arch: str | None) -> tuple[str, ...]:
+    """gfx950: bf16, fp8 and fp4 activations; gfx942 (no scaled MFMA): bf16 only."""
+    from kimi_k3_moe.kernels.flydsl.config import ACT_DTYPES
+    return ACT_DTYPES.get(arch, ("bf16",))
+
+
 def make_backend(**options):
-    """`get_backend("flydsl", arch=..., weight_format=...)` lands here."""
+    """`get_backend("flydsl", arch=..., weight_format=..., act_dtype=...)` lands here."""
     from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
     return FlyDSLBackend(**options)

@@ -18,6 +18,16 @@ REGISTERS_PER_LANE = 512   # unified arch VGPR + AGPR file on gfx90a and later
 REGISTER_GRANULE = 8
 
 EXPECTED_MFMA = {"gfx942": "v_mfma_f32_16x16x16_bf16", "gfx950": "v_mfma_f32_16x16x32_bf16"}
+SCALED_MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"   # gfx950, fp8/fp4 activations
+
+
+def expected_mfma(cfg) -> set[str]:
+    """The matrix instructions a compiled config must use, and only those."""
+    if cfg.stage == 0:            # activation quantization kernel
+        return set()
+    if getattr(cfg, "act_dtype", "bf16") != "bf16":
+        return {SCALED_MFMA}
+    return {EXPECTED_MFMA[cfg.arch]}
 
 _MFMA_RE = re.compile(r"^\s*(v_mfma\w*|v_smfmac\w*)\s", re.M)
 _SCRATCH_RE = re.compile(r"^\s*scratch_(load|store)\w*\s", re.M)
@@ -124,6 +134,8 @@ def isa_stats(isa: str) -> dict:
         "v_exp_f32": len(re.findall(r"^\s*v_exp_f32", isa, re.M)),
         "v_rcp_f32": len(re.findall(r"^\s*v_rcp_f32", isa, re.M)),
         "buffer_atomics": sorted(set(re.findall(r"^\s*(buffer_atomic_\w+)", isa, re.M))),
+        "ds_bpermute": len(re.findall(r"^\s*ds_bpermute_b32", isa, re.M)),
+        "scaled_mfma_formats": sorted(set(re.findall(r"^\s*v_mfma_scale\w*\s.*?((?:cbsz|blgp):\d.*)$", isa, re.M))),
     }
 
 

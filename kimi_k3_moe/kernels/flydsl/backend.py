@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
+from kimi_k3_moe.act_quant import ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
 from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
-from kimi_k3_moe.kernels.flydsl.config import (BETA_MODES, REDUCTIONS, WEIGHT_FORMATS, KernelConfig,
-                                               check_arch)
+from kimi_k3_moe.kernels.flydsl.config import (ACT_DTYPES, BETA_MODES, REDUCTIONS, WEIGHT_FORMATS,
+                                               KernelConfig, QuantConfig, check_arch)
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
-from kimi_k3_moe.formats import int4
 from kimi_k3_moe.weights.requant import Int4Experts, int4_experts_for
 
 DEFAULT_FORMAT = {"gfx942": "int4", "gfx950": "mxfp4"}
@@ -39,8 +40,9 @@ def detect_arch(device: int = 0) -> str | None:
 class FlyDSLBackend(MoEBackend):
     name = "flydsl"
 
-    def __init__(self, arch: str | None = None, weight_format: str | None = None, *, int4_method: str = int4.DEFAULT_METHOD,
-                 betas: str = "const", reduce: str = "slots", device: int = 0):
+    def __init__(self, arch: str | None = None, weight_format: str | None = None, *,
+                 int4_method: str = int4.DEFAULT_METHOD,
+                 betas: str = "const", reduce: str = "slots", device: int = 0, act_dtype: str = "bf16"):
         self.device_index = device
         self.arch = check_arch(arch) if arch is not None else detect_arch(device)
         if self.arch is not None:
@@ -54,6 +56,12 @@ class FlyDSLBackend(MoEBackend):
             raise ValueError(f"flydsl: reduce {reduce!r} not in {REDUCTIONS}")
         if int4_method not in int4.METHODS:
             raise ValueError(f"flydsl: int4_method {int4_method!r} not in {int4.METHODS}")
+        # refused here, at load: gfx942 has no scaled MFMA (LLVM would abort compiling one)
+        act_dtype = check_supported("flydsl", self.arch, act_dtype, ACT_DTYPES.get(self.arch, ("bf16",)))
+        if act_dtype != "bf16" and fmt != "mxfp4":
+            raise ValueError(f"flydsl on {self.arch}: act_dtype {act_dtype!r} runs on MXFP4 weights "
+                             f"(the scaled MFMA reads e2m1), not {fmt!r}")
+        self.act_quant = ActQuant.for_dtype(act_dtype)
         self.weight_format = fmt
         self.int4_method = int4_method
         self.betas = betas
@@ -62,7 +70,8 @@ class FlyDSLBackend(MoEBackend):
         self._ready: tuple[bool, str] | None = None
 
     def describe(self) -> str:
-        return f"{self.name}[{self.arch or 'no AMD GPU'}, {self.weight_format}]"
+        act = f", {self.act_quant.tag()}" if self.act_quant.quantizes else ""
+        return f"{self.name}[{self.arch or 'no AMD GPU'}, {self.weight_format}{act}]"
 
     # ------------------------------------------------------------------ availability
     def available(self) -> tuple[bool, str]:
@@ -118,7 +127,8 @@ class FlyDSLBackend(MoEBackend):
         try:   # a shape the kernels cannot tile is a reason to use another backend, found at load
             tiles.stage_configs(self.arch, self.weight_format, hidden=prepared.hidden_size,
                                 inter=prepared.intermediate_size, top_k=1, num_tokens=1,
-                                activation=ActivationSpec.silu(), has_offsets=prepared.has_offsets)
+                                activation=ActivationSpec.silu(), has_offsets=prepared.has_offsets,
+                                act_dtype=self.act_quant.dtype)
         except ValueError as exc:
             raise BackendUnavailable(f"flydsl cannot serve this layer: {exc}") from exc
         return prepared
@@ -132,23 +142,29 @@ class FlyDSLBackend(MoEBackend):
                 expert_map: torch.Tensor | None = None) -> torch.Tensor:
         self.require_available()
         return pipeline.moe_forward(prepared, hidden, topk_weights, topk_ids, activation, expert_map,
-                                    arch=self.arch, launch=self._launch, betas=self.betas, reduce=self.reduce)
+                                    arch=self.arch, launch=self._launch, betas=self.betas, reduce=self.reduce,
+                                    act_dtype=self.act_quant.dtype)
 
     def precompile(self, prepared: FlyDSLExperts, activation: ActivationSpec, top_k: int) -> list[str]:
         """Compile every tier's kernels for this layer now (before graph capture); their names."""
         self.require_available()
         names = []
+        if self.act_quant.quantizes:
+            qcfg = QuantConfig(self.arch, self.act_quant.dtype)
+            self._compiled_for(qcfg)
+            names.append(qcfg.name)
         for tier in tiles.default_table()[self.arch]:
             n = tier.max_tokens or 1 << 20
             for cfg in tiles.stage_configs(self.arch, self.weight_format, hidden=prepared.hidden_size,
                                            inter=prepared.intermediate_size, top_k=top_k, num_tokens=n,
                                            activation=activation, betas=self.betas,
-                                           has_offsets=prepared.has_offsets, reduce=self.reduce):
+                                           has_offsets=prepared.has_offsets, reduce=self.reduce,
+                                           act_dtype=self.act_quant.dtype):
                 self._compiled_for(cfg)
                 names.append(cfg.name)
         return names
 
-    def _compiled_for(self, cfg: KernelConfig):
+    def _compiled_for(self, cfg: KernelConfig | QuantConfig):
         compiled = self._compiled.get(cfg)
         if compiled is None:
             import flydsl.compiler as flyc
@@ -163,7 +179,7 @@ class FlyDSLBackend(MoEBackend):
             self._compiled[cfg] = compiled
         return compiled
 
-    def _launch(self, cfg: KernelConfig, args: tuple) -> None:
+    def _launch(self, cfg: KernelConfig | QuantConfig, args: tuple) -> None:
         compiled = self._compiled_for(cfg)
         stream = torch.cuda.current_stream(self.device_index)
         try:

@@ -23,35 +23,44 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimi_k3_moe.kernels.flydsl import artifacts
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
 from kimi_k3_moe.kernels.flydsl.toolchain import compile_env
 
 
 @functools.lru_cache(maxsize=None)
-def launcher(cfg: KernelConfig):
+def launcher(cfg: KernelConfig | QuantConfig):
     """The @flyc.jit launcher of `cfg`, built once per process (keyed by every codegen field)."""
     from kimi_k3_moe.kernels.flydsl._details import moe_gemm
-    return moe_gemm.build(cfg)
+    return moe_gemm.build_quant(cfg) if isinstance(cfg, QuantConfig) else moe_gemm.build(cfg)
 
 
-def placeholder_args(cfg: KernelConfig) -> tuple:
+def placeholder_args(cfg: KernelConfig | QuantConfig) -> tuple:
     """CPU tensors of the right dtypes and rank: all a compile-only trace looks at."""
     import torch
 
     u8, bf16, i32, f32 = torch.uint8, torch.bfloat16, torch.int32, torch.float32
+    if isinstance(cfg, QuantConfig):
+        return torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=u8), torch.zeros(4, dtype=u8), 2
     scale_dtype = bf16 if cfg.weight_format == "int4" else u8
-    y_dtype = f32 if (cfg.stage == 2 and cfg.reduce == "atomic") else bf16
-    return (torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=u8), torch.zeros(64, dtype=scale_dtype),
-            torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=i32), torch.zeros(4, dtype=i32),
-            torch.zeros(64, dtype=f32), torch.zeros(64, dtype=y_dtype), 1, cfg.BM, 4.0, 25.0)
+    act_dtype = u8 if cfg.quantized else bf16
+    if cfg.stage == 2:
+        y_dtype = f32 if cfg.reduce == "atomic" else bf16
+    else:
+        y_dtype = act_dtype
+    tensors = (torch.zeros(64, dtype=act_dtype), torch.zeros(64, dtype=u8), torch.zeros(64, dtype=scale_dtype),
+               torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=i32), torch.zeros(4, dtype=i32),
+               torch.zeros(64, dtype=f32), torch.zeros(64, dtype=y_dtype))
+    scales = (torch.zeros(4, dtype=u8), torch.zeros(4, dtype=u8)) if cfg.quantized else ()
+    return (*tensors, *scales, 1, cfg.BM, 4.0, 25.0)
 
 
-def config_to_json(cfg: KernelConfig) -> str:
+def config_to_json(cfg: KernelConfig | QuantConfig) -> str:
     return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
 
 
-def config_from_json(text: str) -> KernelConfig:
-    return KernelConfig(**json.loads(text))
+def config_from_json(text: str) -> KernelConfig | QuantConfig:
+    fields = json.loads(text)
+    return QuantConfig(**fields) if fields.get("stage") == 0 else KernelConfig(**fields)
 
 
 # ------------------------------------------------------------------ in the child process
@@ -75,7 +84,7 @@ def _hsaco_from_artifact(artifact) -> bytes:
     return found[0]
 
 
-def compile_here(cfg: KernelConfig, out_dir: str | os.PathLike) -> dict:
+def compile_here(cfg: KernelConfig | QuantConfig, out_dir: str | os.PathLike) -> dict:
     """Compile `cfg` in this process (env from toolchain.compile_env) and describe the result."""
     arch = os.environ.get("FLYDSL_GPU_ARCH")
     if arch != cfg.arch or os.environ.get("ARCH", arch) != arch or os.environ.get("COMPILE_ONLY") != "1":

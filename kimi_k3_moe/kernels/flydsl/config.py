@@ -17,6 +17,9 @@ from kimi_k3_moe.kernels.flydsl import layout
 ARCHS = ("gfx942", "gfx950")
 # gfx942 (CDNA3) has no FP4 matrix path or FP4 convert: it reads int4 requantised at load.
 WEIGHT_FORMATS = {"gfx942": ("int4",), "gfx950": ("mxfp4", "int4")}
+# Activation dtypes per arch: fp8/fp4 run on gfx950's scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4),
+# which gfx942 lacks (LLVM aborts); they read MXFP4 weights only.
+ACT_DTYPES = {"gfx942": ("bf16",), "gfx950": ("bf16", "fp8", "fp4")}
 # bf16 MFMA each arch has: gfx950's K=32 form does not exist on gfx942 (LLVM aborts).
 MFMA = {"gfx942": "16x16x16", "gfx950": "16x16x32"}
 ACTIVATIONS = (SILU, SITUV2)
@@ -63,6 +66,7 @@ class KernelConfig:
     linear_beta: float | None = None    # const situv2 only; None: up passes unchanged
     reduce: str = "slots"               # stage 2: "slots" (deterministic) | "atomic" (fp32 adds)
     split_k: int = 1                    # stage 2 with atomic reduce only
+    act_dtype: str = "bf16"             # "bf16" | "fp8" | "fp4": this stage's input (stage 1 also its output)
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
@@ -85,6 +89,7 @@ class KernelConfig:
         self._check_tile()
         self._check_activation()
         self._check_reduction()
+        self._check_act_dtype()
 
     # ------------------------------------------------------------------ checks
     def _check_tile(self) -> None:
@@ -136,7 +141,27 @@ class KernelConfig:
             raise ValueError(f"split_k={self.split_k} does not divide the {blocks} K iterations "
                              f"(K={self.K}, 128 x kb_unroll {self.kb_unroll})")
 
+    def _check_act_dtype(self) -> None:
+        if self.act_dtype not in ACT_DTYPES[self.arch]:
+            raise ValueError(f"act_dtype {self.act_dtype!r} has no kernel on {self.arch} (no scaled MFMA there); "
+                             f"choose one of {ACT_DTYPES[self.arch]}")
+        if self.act_dtype == "bf16":
+            return
+        if self.weight_format != "mxfp4":
+            raise ValueError(f"act_dtype {self.act_dtype!r} runs on MXFP4 weights (the scaled MFMA reads e2m1), "
+                             f"not {self.weight_format!r}")
+        if self.a_lds:
+            raise ValueError("a_lds stages bf16 activation tiles; quantized activations are loaded from "
+                             "global memory directly")
+        if self.stage == 1 and self.n_rep % 2:
+            raise ValueError(f"stage 1 with {self.act_dtype} quantizes its output per 32 columns: n_rep must be "
+                             f"even (a wave's pair of 16-column sub-tiles is one scale group), got {self.n_rep}")
+
     # ------------------------------------------------------------------ derived
+    @property
+    def quantized(self) -> bool:
+        return self.act_dtype != "bf16"
+
     @property
     def BN(self) -> int:
         return self.waves * self.n_rep * layout.MFMA_TILE
@@ -179,6 +204,8 @@ class KernelConfig:
     @property
     def name(self) -> str:
         fmt = self.weight_format + ("ofs" if self.has_offsets else "")
+        if self.quantized:
+            fmt += "_a8" if self.act_dtype == "fp8" else "_a4"
         if self.weight_format == "int4" and self.int4_decode != "shift":
             fmt += f"_{self.int4_decode}"
         tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
@@ -201,6 +228,39 @@ class KernelConfig:
 
 
 _SYMBOL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The activation quantization kernel: bf16 rows -> fp8 e4m3 or MXFP4 codes + e8m0 per 32.
+
+    One lane per group of 32 consecutive elements of the flat [T * K] input, so the
+    kernel is the same for every K that is a multiple of 32.
+    """
+
+    arch: str
+    act_dtype: str                # "fp8" | "fp4"
+    waves: int = 4
+    stage: int = 0                # marks a quantization kernel (KernelConfig stages are 1 and 2)
+
+    def __post_init__(self) -> None:
+        check_arch(self.arch)
+        if self.act_dtype not in ACT_DTYPES[self.arch] or self.act_dtype == "bf16":
+            quantized = tuple(a for a in ACT_DTYPES[self.arch] if a != "bf16")
+            raise ValueError(f"no activation quantization kernel for {self.act_dtype!r} on {self.arch}; "
+                             f"choose one of {quantized or 'none (bf16 only there)'}")
+        if self.stage != 0:
+            raise ValueError("QuantConfig.stage is 0")
+        if self.waves not in (1, 2, 4):
+            raise ValueError(f"waves={self.waves} must be 1, 2 or 4")
+
+    @property
+    def threads(self) -> int:
+        return self.waves * layout.LANES
+
+    @property
+    def name(self) -> str:
+        return f"k3moe_q_{self.arch}_{self.act_dtype}_w{self.waves}"
 
 
 def runtime_betas(spec: ActivationSpec) -> tuple[float, float]:

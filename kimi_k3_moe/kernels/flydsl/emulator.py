@@ -16,16 +16,25 @@ What this stands on: the layout functions are shared with the kernels, so a
 wrong index in them shows up here. What it cannot show: that FlyDSL/LLVM lower
 the kernels as written, that the MFMA lane layout and the conversion
 instructions behave as modelled on a real gfx942/gfx950 (`_mfma`,
-`_cvt_off_f32_i4`, `_cvt_scalef32_pk_bf16_fp4` below are models from AMD's
-documentation, not measurements), or anything about timing. The load-time
-self-check on the user's GPU covers those.
+`_cvt_off_f32_i4`, `_cvt_scalef32_pk_bf16_fp4`, `_mfma_scale` below are models
+from AMD's documentation, not measurements), or anything about timing. The
+load-time self-check on the user's GPU covers those.
+
+Quantized activations (gfx950): the quantization kernel and the stage-1 epilogue
+run layout.py's own rounding functions (on torch tensors here); `_mfma_scale`
+models the scaled MFMA from its documented operand ABI, written independently of
+the kernels' load offsets, so a load that puts a value at the wrong k, or a scale
+on the wrong block, shows up as a wrong product.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from kimi_k3_moe.formats import fp8, mxfp4
 from kimi_k3_moe.kernels.flydsl import layout as L
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
 
 NO_RANGE = 0xFFFFFFFF
 I32_MAX = 2**31 - 1
@@ -67,11 +76,18 @@ class _Buffer:
         out[inside] = self.bytes[idx[inside]]
         return out
 
-    def store(self, off: torch.Tensor, data: torch.Tensor) -> None:
-        """Out-of-range lanes are dropped, as the range check drops them."""
+    def store(self, off: torch.Tensor, data: torch.Tensor, same_value_ok: bool = False) -> None:
+        """Out-of-range lanes are dropped, as the range check drops them. Two lanes storing to the
+        same address is an error unless `same_value_ok` and they store the same bytes."""
         off = off.long().reshape(-1)
         nbytes = data.shape[1]
         inside = self._check(off, nbytes)
+        uniq, first = torch.unique(off[inside], return_inverse=True)
+        if uniq.numel() != int(inside.sum()):
+            ref = torch.zeros(uniq.numel(), nbytes, dtype=data.dtype).index_copy_(0, first, data[inside])
+            if not same_value_ok or not torch.equal(ref[first], data[inside]):
+                raise EmulatorError(f"{self.name}: lanes of one store write the same address"
+                                    + (" with different values" if same_value_ok else ""))
         idx = self.base + off[inside][:, None] + torch.arange(nbytes)
         self.bytes[idx.reshape(-1)] = data[inside].reshape(-1)
 
@@ -145,6 +161,64 @@ def _mfma(acc: torch.Tensor, w8: torch.Tensor, x8: torch.Tensor) -> torch.Tensor
     return acc + a @ b
 
 
+class TorchOps:
+    """layout.py's `ops` on torch tensors (int64 holding int32 bit patterns, float32 values)."""
+
+    @staticmethod
+    def select(cond, a, b):
+        return torch.where(cond, torch.as_tensor(a), torch.as_tensor(b))
+
+    @staticmethod
+    def bits(x):
+        return x.to(torch.float32).contiguous().view(torch.int32).long()
+
+    @staticmethod
+    def f32(i):
+        i = torch.as_tensor(i).long() & 0xFFFFFFFF
+        return torch.where(i >= 2**31, i - 2**32, i).to(torch.int32).view(torch.float32)
+
+
+def _abi_k(fmt: str, g: int) -> list[int]:
+    """Logical k (0..127) of value v = 0..31 of a lane in group g, per the scaled MFMA's operand ABI:
+    e2m1 32 consecutive k; e4m3 two runs of 16, 64 apart (AMD CDNA4 matrix-core guide, FlyDSL mxfp_moe)."""
+    if fmt == "fp4":
+        return [32 * g + v for v in range(32)]
+    return [16 * g + v if v < 16 else 64 + 16 * g + (v - 16) for v in range(32)]
+
+
+@functools.lru_cache(maxsize=None)
+def _abi_k_table(fmt: str) -> torch.Tensor:
+    """[64, 32]: logical k of each value of each lane."""
+    return torch.tensor([_abi_k(fmt, lane >> 4) for lane in range(L.LANES)])
+
+
+def _operand_values(fmt: str, regs: torch.Tensor) -> torch.Tensor:
+    """[64, 16 | 32] register bytes -> [64, 32] element values (e2m1 low nibble first, or e4m3 bytes)."""
+    if fmt == "fp4":
+        return mxfp4.e2m1_table()[mxfp4.unpack_nibbles(regs).long()]
+    return fp8.decode(regs)
+
+
+def _mfma_scale(acc, a_regs, a_fmt, a_scale, b_regs, b_fmt, b_scale) -> torch.Tensor:
+    """v_mfma_scale_f32_16x16x128_f8f6f4: D[i][j] += sum_k A[i][k] 2^(sa[i][k/32]-127) B[k][j] 2^(sb[j][k/32]-127).
+
+    Lane 16g + r supplies row r of A (column r of B) at the ABI's k positions, and the e8m0
+    byte of row r (column r) for k block g, whichever lane holds that block's values.
+    """
+    A = torch.zeros(16, 128, dtype=torch.float64)
+    B = torch.zeros(128, 16, dtype=torch.float64)
+    av, bv = _operand_values(a_fmt, a_regs).double(), _operand_values(b_fmt, b_regs).double()
+    rows = (torch.arange(L.LANES) & 15)[:, None]
+    A[rows, _abi_k_table(a_fmt)] = av
+    B[_abi_k_table(b_fmt), rows] = bv
+    sa = torch.exp2(a_scale.double() - 127).view(4, 16)          # [block, row]
+    sb = torch.exp2(b_scale.double() - 127).view(4, 16)
+    block = torch.arange(128) // 32
+    A = A * sa[block].T
+    B = B * sb[block]
+    return acc + (A @ B).float()
+
+
 def _lane_values(d: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """[64, 4]: the D elements a lane holds in accumulator registers e = 0..3."""
     e = torch.arange(4)
@@ -167,23 +241,34 @@ def _activate(cfg: KernelConfig, gate: torch.Tensor, up: torch.Tensor, beta: flo
 
 
 # --------------------------------------------------------------------- the grid
-def launch(cfg: KernelConfig, args: tuple) -> None:
-    """Play one kernel launch on the CPU; writes the output buffer (args[7]) in place."""
+def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
+    """Play one kernel launch on the CPU; writes the output buffer(s) (Y, and YS when quantized) in place."""
     _check_signature(cfg, args)
-    A, W, S, OFS, SID, BE, TW, Y, num_tokens, num_rows, beta, lin_beta = args
+    if isinstance(cfg, QuantConfig):
+        _launch_quant(cfg, args)
+        return
+    A, W, S, OFS, SID, BE, TW, Y = args[:8]
+    AS, YS = args[8:10] if cfg.quantized else (None, None)
+    num_tokens, num_rows, beta, lin_beta = args[-4:]
     if num_rows % cfg.BM:
         raise EmulatorError(f"num_rows {num_rows} is not a multiple of BM {cfg.BM}")
     R, K, N = cfg.weight_rows, cfg.K, cfg.N
     stage1 = cfg.stage == 1
+    q = cfg.quantized
+    row_bytes = L.qact_row_bytes(K, cfg.act_dtype) if q else K * 2
     sid = _Buffer(SID, "SID")
     if stage1:
-        act = _Buffer(A, "X", records=num_tokens * K * 2)
-        out = _Buffer(Y, "INTER", records=num_rows * N * 2)
+        act = _Buffer(A, "X", records=num_tokens * row_bytes)
+        act_s = _Buffer(AS, "XS", records=num_tokens * (K // L.GROUP)) if q else None
+        out = _Buffer(Y, "INTER", records=num_rows * (L.qact_row_bytes(N, cfg.act_dtype) if q else N * 2))
+        out = (out, _Buffer(YS, "INTER_S", records=num_rows * (N // L.GROUP))) if q else out
     else:
-        act = _Buffer(A, "INTER", records=num_rows * K * 2)
+        act = _Buffer(A, "INTER", records=num_rows * row_bytes)
+        act_s = _Buffer(AS, "INTER_S", records=num_rows * (K // L.GROUP)) if q else None
         tw = _Buffer(TW, "topk_weights", records=num_tokens * cfg.top_k * 4)
         per_token = cfg.top_k * N * 2 if cfg.reduce == "slots" else N * 4
         out = _Buffer(Y, "SLOTS" if cfg.reduce == "slots" else "ACC", records=num_tokens * per_token)
+    act = (act, act_s)
     s_bytes = 2 if cfg.weight_format == "int4" else 1
     for bid_m in range(num_rows // cfg.BM):
         expert = int(BE[bid_m])
@@ -200,6 +285,8 @@ def launch(cfg: KernelConfig, args: tuple) -> None:
 
 
 ARG_NAMES = ("A", "W", "S", "OFS", "SID", "BE", "TW", "Y", "num_tokens", "num_rows", "beta", "lin_beta")
+QUANTIZED_ARG_NAMES = ARG_NAMES[:8] + ("AS", "YS") + ARG_NAMES[8:]
+QUANT_ARG_NAMES = ("X", "XQ", "XS", "num_groups")
 
 
 def _check_signature(cfg: KernelConfig, args: tuple) -> None:
@@ -210,7 +297,8 @@ def _check_signature(cfg: KernelConfig, args: tuple) -> None:
     expected = placeholder_args(cfg)
     if len(args) != len(expected):
         raise EmulatorError(f"{cfg.name}: {len(args)} arguments, the launcher takes {len(expected)}")
-    for name, got, want in zip(ARG_NAMES, args, expected):
+    names = QUANT_ARG_NAMES if isinstance(cfg, QuantConfig) else QUANTIZED_ARG_NAMES if cfg.quantized else ARG_NAMES
+    for name, got, want in zip(names, args, expected):
         if isinstance(want, torch.Tensor):
             if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.dim() != 1 \
                     or not got.is_contiguous():
@@ -222,6 +310,7 @@ def _check_signature(cfg: KernelConfig, args: tuple) -> None:
 
 def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta):
     rw, rs, ro = bufs
+    act, act_s = act
     BM, BN, K, N, U, n_rep = cfg.BM, cfg.BN, cfg.K, cfg.N, cfg.kb_unroll, cfg.n_rep
     stage1 = cfg.stage == 1
     m_rep = BM // L.MFMA_TILE
@@ -246,6 +335,9 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
         for wave, p_rows, slots, a_rows, w_rows, accs in waves:
             for u in range(U):
                 kb = kb0 + u
+                if cfg.quantized:
+                    _scaled_block(cfg, accs, rw, rs, act, act_s, w_rows, a_rows, kb, g, m_rep)
+                    continue
                 wq, sc, of = [], [], []
                 for row in w_rows:
                     gi = L.group_index(row, kb, g, K)
@@ -272,6 +364,58 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
 
     for wave, p_rows, slots, a_rows, w_rows, accs in waves:
         _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta)
+
+
+def _scaled_block(cfg, accs, rw, rs, act, act_s, w_rows, a_rows, kb, g, m_rep):
+    """One K128 block of a quantized-activation kernel: one scaled MFMA per (weight, row) sub-tile."""
+    K = cfg.K
+    xs, xsc = [], []
+    for mi in range(m_rep):
+        halves = (0,) if cfg.act_dtype == "fp4" else (0, 1)
+        xs.append(torch.cat([act.load(L.qact_byte_offset(a_rows[mi], kb, g, h, K, cfg.act_dtype), 16)
+                             for h in halves], dim=1))
+        xsc.append(act_s.load(L.act_scale_index(a_rows[mi], kb, g, K), 1)[:, 0])
+    for wi, row in enumerate(w_rows):
+        w16 = rw.load(L.w_byte_offset(row, kb, g, K), 16)
+        wsc = rs.load(L.group_index(row, kb, g, K), 1)[:, 0]
+        for mi in range(m_rep):
+            a = wi * m_rep + mi
+            accs[a] = _mfma_scale(accs[a], w16, "fp4", wsc, xs[mi], cfg.act_dtype, xsc[mi])
+
+
+def _quantize_rows(values: torch.Tensor, act_dtype: str, amax_bits: torch.Tensor | None = None):
+    """[L, n] float32 -> ([L, n] int64 codes, [L] e8m0 bytes) with layout.py's rules."""
+    if amax_bits is None:
+        amax_bits = (TorchOps.bits(values) & 0x7FFFFFFF).amax(dim=1)
+    b = L.e8m0_from_amax_bits(amax_bits, act_dtype, TorchOps)
+    mult = TorchOps.f32(L.e8m0_reciprocal_bits(b))
+    return L.minifloat_code(values * mult[:, None], act_dtype, TorchOps), b
+
+
+def _pack(codes: torch.Tensor, act_dtype: str) -> torch.Tensor:
+    """[L, n] codes -> [L, n or n/2] bytes, element 0 first (low nibble first for e2m1)."""
+    if act_dtype == "fp8":
+        return (codes & 0xFF).to(torch.uint8)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+def _launch_quant(qcfg: QuantConfig, args: tuple) -> None:
+    X, XQ, XS, num_groups = args
+    act = qcfg.act_dtype
+    code_bytes = 4 * L.ACT_CODE_BITS[act]
+    xb = _Buffer(X, "X", records=num_groups * 64)
+    qb = _Buffer(XQ, "XQ", records=num_groups * code_bytes)
+    sb = _Buffer(XS, "XS", records=num_groups)
+    blocks = -(-num_groups // qcfg.threads)
+    q = torch.arange(blocks * qcfg.threads)                 # every lane of the grid at once
+    x_off, q_off, s_off = L.quant_group_offsets(q, act)
+    raw = torch.cat([xb.load(x_off + 16 * i, 16) for i in range(4)], dim=1)   # [lanes, 64] bytes
+    values = raw.view(torch.bfloat16).float()               # bf16 -> f32 is exact
+    codes, b = _quantize_rows(values, act)
+    packed = _pack(codes, act)
+    for i in range(code_bytes // 16):
+        qb.store(q_off + 16 * i, packed[:, 16 * i:16 * i + 16])
+    sb.store(s_off, b.to(torch.uint8)[:, None])
 
 
 def _bf16_scalar(b2: torch.Tensor) -> torch.Tensor:
@@ -317,9 +461,34 @@ def _lds_read(lds_state, lofs):
     return lds[idx]
 
 
+def _epilogue_quantized(cfg, wave, bid_m, bid_n, g, r, p_rows, accs, out, beta, lin_beta):
+    m_rep = cfg.BM // L.MFMA_TILE
+    N, act = cfg.N, cfg.act_dtype
+    out, out_s = out
+    lane = torch.arange(L.LANES)
+    for c in range(cfg.n_rep // 2):
+        pair = (2 * c, 2 * c + 1)
+        n0s = [L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1] for ni in pair]
+        for mi in range(m_rep):
+            ys = torch.cat([_activate(cfg, _lane_values(accs[(ni * 2 + 0) * m_rep + mi], g, r),
+                                      _lane_values(accs[(ni * 2 + 1) * m_rep + mi], g, r), beta, lin_beta)
+                            for ni in pair], dim=1)                                  # [64, 8] fp32
+            amax = (TorchOps.bits(ys) & 0x7FFFFFFF).amax(dim=1)
+            for partner in L.amax_partner_lanes(lane):                            # ds_bpermute steps
+                amax = torch.maximum(amax, amax[partner])
+            codes, b = _quantize_rows(ys, act, amax)
+            for j, n0 in enumerate(n0s):
+                out.store(L.qinter_byte_offset(p_rows[mi], n0 + g * 4, N, act), _pack(codes[:, 4 * j:4 * j + 4], act))
+            out_s.store(L.qinter_scale_offset(p_rows[mi], n0s[0], N), b.to(torch.uint8)[:, None],
+                        same_value_ok=True)
+
+
 def _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta):
     m_rep = cfg.BM // L.MFMA_TILE
     N = cfg.N
+    if cfg.stage == 1 and cfg.quantized:
+        _epilogue_quantized(cfg, wave, bid_m, bid_n, g, r, p_rows, accs, out, beta, lin_beta)
+        return
     if cfg.stage == 1:
         for ni in range(cfg.n_rep):
             n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]

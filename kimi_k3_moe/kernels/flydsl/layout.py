@@ -1,6 +1,7 @@
 """Index, layout and decode arithmetic of the FlyDSL MoE kernels, written once.
 
-Every function here uses only `+ - * // >> << & |` on its arguments, so the
+Every function here uses only `+ - * // >> << & | ^` on its arguments (and, for
+the activation quantizers, the three `ops` named there), so the
 same call works on
   * FlyDSL integers inside a kernel trace (the kernels in `_details/` call these
     functions to build their addresses and decode their weights),
@@ -230,3 +231,109 @@ def situv2_mul(gate, up, beta, c_gate, lin_beta, c_up, exp2, rcp, select=None):
     else:
         u = select(lin_beta > 0.0, lin_beta * tanh_scaled(up, c_up, exp2, rcp), up)
     return g * u
+
+
+# ===================================================================== quantized activations (gfx950)
+# a8w4 / a4w4 feed v_mfma_scale_f32_16x16x128_f8f6f4: A = 16 weight rows (e2m1, cbsz 4),
+# B = 16 activation rows (e4m3, blgp 0, or e2m1, blgp 4), one MFMA per K128 block.
+# Operand ABI [read: FlyDSL's mxfp_moe and AMD's CDNA4 matrix-core guide; not verified on hardware]:
+#   e2m1: lane 16g + r holds row r, k = 32g + v (v < 32), 16 bytes, low nibble first;
+#   e4m3: lane 16g + r holds row r, k = 16g + v (v < 16) and k = 64 + 16g + (v - 16) (v >= 16),
+#         32 bytes: two 16-byte halves 64 bytes apart in the row;
+#   scales: lane 16b + r holds the e8m0 byte of row r for the k block [32b, 32b + 32),
+#   whichever lane holds that block's data. D is laid out as for the bf16 16x16 MFMAs.
+# Our loads keep memory k = MFMA k inside each K128 block, so lane group g supplies the
+# scales of group 4kb + g for both operands; weights need no change (their 16-byte chunk
+# per lane is already the e2m1 operand).
+#   XQ  [T, H] e4m3 bytes or [T, H/2] packed e2m1  (stage-1 input; INTER_Q [P, I] likewise)
+#   XS  [T, H/32] e8m0 bytes                        (INTER_S [P, I/32] likewise)
+ACT_CODE_BITS = {"fp8": 8, "fp4": 4}
+MFMA_FMT = {"fp8": 0, "fp4": 4}          # cbsz / blgp format codes of the scaled MFMA
+QUANT_THREADS = 256                      # quantization kernel: one lane per 32-element group
+
+
+def qact_row_bytes(K, act_dtype):
+    """Bytes per quantized activation row of K elements (K a Python int)."""
+    return K * ACT_CODE_BITS[act_dtype] // 8
+
+
+def qact_byte_offset(row, kb, g, half, K, act_dtype):
+    """16-byte chunk `half` (fp8: 0 or 1; fp4: 0) of row `row` that lane group g loads in block kb."""
+    if act_dtype == "fp4":
+        return row * (K // 2) + kb * (K_BLOCK // 2) + g * 16
+    return row * K + kb * K_BLOCK + g * 16 + half * 64
+
+
+def act_scale_index(row, kb, g, K):
+    """e8m0 byte (one per 32 along K) of row `row` that lane group g supplies in block kb: group 4kb + g."""
+    return row * (K // GROUP) + kb * (K_BLOCK // GROUP) + g
+
+
+# stage-1 epilogue: the lane holding OUT[p][n0 + 4g + e] of 16-column sub-tiles 2c and 2c+1 (one
+# 32-column group) finds the group's amax over its 8 values, then across lanes r, r+16, r+32, r+48
+def amax_partner_lanes(lane):
+    """Lanes whose values the two butterfly steps bring in (ds_bpermute sources)."""
+    return lane ^ 16, lane ^ 32
+
+
+def qinter_byte_offset(p, n_col, N, act_dtype):
+    """Stage-1 quantized output: the 4 codes of OUT[p][n_col .. n_col+3] (n_col a multiple of 4)."""
+    if act_dtype == "fp4":
+        return (p * N + n_col) // 2
+    return p * N + n_col
+
+
+def qinter_scale_offset(p, n_col, N):
+    """Stage-1 output scale byte of row p, group n_col // 32."""
+    return p * (N // GROUP) + n_col // GROUP
+
+
+def quant_group_offsets(q, act_dtype):
+    """Quantization kernel, flat group q (32 consecutive elements): (bf16 input byte, code byte, scale byte)."""
+    return q * 64, q * (4 * ACT_CODE_BITS[act_dtype]), q
+
+
+# --------------------------------------------------------------------- minifloat encoding
+# `ops` supplies what differs between the device and torch: ops.select(cond, a, b),
+# ops.bits(float32 -> int32 bit pattern), ops.f32(int32 bit pattern -> float32).
+_MINIFLOAT = {   # act dtype: (mantissa bits, exponent bias, largest finite code, code bits)
+    "fp8": (3, 7, 0x7E, 8),      # e4m3fn: 448 = 0x7E (0x7F is NaN)
+    "fp4": (1, 1, 0x7, 4),       # e2m1: 6 = 0x7
+}
+_MAGIC_2P23 = 8388608.0          # adding 2^23 rounds a float32 in [0, 2^22) to an integer, ties to even
+_MAGIC_2P23_BITS = 0x4B000000
+
+
+def minifloat_code(x, act_dtype, ops):
+    """Code of float32 x in e4m3fn ("fp8") or e2m1 ("fp4"): round to nearest even, saturate at the
+    largest finite value, sign from x's sign bit (so tiny negatives give -0). x must be finite."""
+    m, bias, max_code, code_bits = _MINIFLOAT[act_dtype]
+    shift = 23 - m
+    bits = ops.bits(x)
+    sign = ((bits >> 31) & 1) << (code_bits - 1)
+    mag = bits & 0x7FFFFFFF
+    normal = ((mag + ((1 << (shift - 1)) - 1) + ((mag >> shift) & 1)) >> shift) - ((127 - bias) << m)
+    scaled = ops.f32(mag) * float(2 ** (bias - 1 + m))   # subnormal range: value / smallest step
+    sub = ops.bits(scaled + _MAGIC_2P23) - _MAGIC_2P23_BITS
+    code = ops.select(mag < ((127 + 1 - bias) << 23), sub, normal)
+    return ops.select(code > max_code, max_code, code) | sign
+
+
+def e8m0_from_amax_bits(amax_bits, act_dtype, ops):
+    """Scale byte of a 32-group from its amax (non-negative float32 bits).
+
+    fp8: smallest b with amax / 2^(b-127) <= 448, i.e. E - 8 + (mantissa > 1.75);
+    fp4: OCP MX, floor(log2 amax) - 2 + 127 = E - 2. Both clamped below at 0 (zero and
+    subnormal groups). The same rules as formats.fp8.mx_scale_bytes and formats.mxfp4.quantize.
+    """
+    exp = amax_bits >> 23
+    if act_dtype == "fp8":
+        b = exp - 8 + ops.select((amax_bits & 0x7FFFFF) > 0x600000, 1, 0)
+    else:
+        b = exp - 2
+    return ops.select(b < 0, 0, b)
+
+
+def e8m0_reciprocal_bits(b):
+    """float32 bits of 2^(127-b), the factor that scales a group into the element range (b <= 253)."""
+    return (254 - b) << 23

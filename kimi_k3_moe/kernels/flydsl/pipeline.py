@@ -1,7 +1,8 @@
 """The FlyDSL MoE forward pass, written once for two executors.
 
 `moe_forward` aligns the routing, allocates the buffers, picks the tiles and
-calls `launch(config, args)` twice per token chunk with exactly the arguments
+calls `launch(config, args)` twice per token chunk (three times with quantized
+activations: the hidden rows are quantized first) with exactly the arguments
 of the FlyDSL launchers. On an AMD GPU `launch` runs the compiled kernels
 (backend.py); on the CPU `emulator.launch` plays them lane by lane. Everything
 around the kernels (this file) is therefore the same code in both cases.
@@ -15,11 +16,12 @@ import torch
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.flydsl import tiles
 from kimi_k3_moe.kernels.flydsl.align import align_tokens
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, runtime_betas
+from kimi_k3_moe.kernels.flydsl import layout
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig, runtime_betas
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.reference import check_routing, local_slots
 
-Launch = Callable[[KernelConfig, tuple], None]
+Launch = Callable[[KernelConfig | QuantConfig, tuple], None]
 INT32_LIMIT = 2**31 - 1
 
 
@@ -35,6 +37,12 @@ def max_chunk_tokens(hidden: int, inter: int, top_k: int, num_experts: int) -> i
     return limit
 
 
+def _quantized(elements: int, act_dtype: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (codes, e8m0 scales) buffers for `elements` quantized activations."""
+    return (torch.empty(elements * layout.ACT_CODE_BITS[act_dtype] // 8, dtype=torch.uint8, device=device),
+            torch.empty(elements // layout.GROUP, dtype=torch.uint8, device=device))
+
+
 def _check_ids(local: torch.Tensor, num_experts: int) -> None:
     # A host-side check costs a sync, so it is skipped while a graph is being captured.
     if local.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -45,9 +53,10 @@ def _check_ids(local: torch.Tensor, num_experts: int) -> None:
                          f"or < -1: {local[bad][:8].tolist()}")
 
 
-def _check_pinned(configs, experts, activation, H, I, k):
+def _check_pinned(configs, experts, activation, H, I, k, act_dtype):
     cfg1, cfg2 = configs
-    want = {"weight_format": experts.weight_format, "has_offsets": experts.has_offsets, "top_k": k}
+    want = {"weight_format": experts.weight_format, "has_offsets": experts.has_offsets, "top_k": k,
+            "act_dtype": act_dtype}
     for cfg, stage, N, K in ((cfg1, 1, I, H), (cfg2, 2, H, I)):
         got = {f: getattr(cfg, f) for f in want}
         if cfg.stage != stage or (cfg.N, cfg.K) != (N, K) or got != want:
@@ -67,11 +76,14 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
                 topk_ids: torch.Tensor, activation: ActivationSpec, expert_map: torch.Tensor | None, *,
                 arch: str, launch: Launch, betas: str = "const", reduce: str = "slots",
                 chunk_tokens: int | None = None, table: dict | None = None,
-                configs: tuple[KernelConfig, KernelConfig] | None = None) -> torch.Tensor:
+                configs: tuple[KernelConfig, KernelConfig] | None = None,
+                act_dtype: str = "bf16") -> torch.Tensor:
     """[T, H] -> [T, H] in hidden's dtype: this rank's sum over its experts.
 
     `configs` pins the (stage 1, stage 2) kernels instead of the tile table's choice
     (tests use it to reach every variant); they must match the layer and each other.
+    `act_dtype` "fp8"/"fp4" (gfx950): hidden rows and the intermediate are quantized
+    (e4m3 or e2m1, e8m0 per 32) and both GEMMs run on the scaled MFMA.
     """
     if not isinstance(activation, ActivationSpec):
         raise ValueError(f"activation must be an ActivationSpec (silu or situv2), got {activation!r}")
@@ -91,28 +103,40 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     w13, s13, o13 = experts.tensors("w13")
     w2, s2, o2 = experts.tensors("w2")
     step = min(chunk_tokens or T, max_chunk_tokens(H, I, k, E))
+    quantized = act_dtype != "bf16"
     for start in range(0, T, step):
         stop = min(T, start + step)
         n = stop - start
         if configs is None:
             cfg1, cfg2 = tiles.stage_configs(arch, experts.weight_format, hidden=H, inter=I, top_k=k,
                                              num_tokens=n, activation=activation, betas=betas,
-                                             has_offsets=experts.has_offsets, reduce=reduce, table=table)
+                                             has_offsets=experts.has_offsets, reduce=reduce,
+                                             act_dtype=act_dtype, table=table)
         else:
-            cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k)
+            cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k, act_dtype)
             reduce = cfg2.reduce
         routing = align_tokens(local[start:stop], E, cfg1.BM)
         P = routing.num_rows
         beta, lin_beta = runtime_betas(activation) if cfg1.betas == "runtime" else (0.0, 0.0)
         weights = tw[start:stop].reshape(-1)
-        inter = torch.empty(P * I, dtype=torch.bfloat16, device=hidden.device)
-        launch(cfg1, (x[start:stop].reshape(-1), w13, s13, o13, routing.sorted_slots, routing.block_expert,
-                      weights, inter, n, P, beta, lin_beta))
+        # quantized kernels take two more tensors after the output: input scales, output scales
+        if quantized:
+            a1, a1_scales = _quantized(n * H, act_dtype, hidden.device)
+            launch(QuantConfig(arch, act_dtype), (x[start:stop].reshape(-1), a1, a1_scales, n * H // layout.GROUP))
+            inter, inter_scales = _quantized(P * I, act_dtype, hidden.device)
+            scales1, scales2 = (a1_scales, inter_scales), (inter_scales, inter_scales[:1])
+        else:
+            a1 = x[start:stop].reshape(-1)
+            inter = torch.empty(P * I, dtype=torch.bfloat16, device=hidden.device)
+            scales1 = scales2 = ()
+        launch(cfg1, (a1, w13, s13, o13, routing.sorted_slots, routing.block_expert,
+                      weights, inter, *scales1, n, P, beta, lin_beta))
         if reduce == "slots":
             y = torch.zeros(n * k * H, dtype=torch.bfloat16, device=hidden.device)
         else:
             y = torch.zeros(n * H, dtype=torch.float32, device=hidden.device)
-        launch(cfg2, (inter, w2, s2, o2, routing.sorted_slots, routing.block_expert, weights, y, n, P, 0.0, 0.0))
+        launch(cfg2, (inter, w2, s2, o2, routing.sorted_slots, routing.block_expert, weights, y,
+                      *scales2, n, P, 0.0, 0.0))
         # the deterministic top-k reduction: fp32 sum over each token's slots, in slot order
         part = y.view(n, k, H).float().sum(dim=1) if reduce == "slots" else y.view(n, H)
         out[start:stop] = part.to(hidden.dtype)

@@ -1,6 +1,8 @@
 """The kernel set CI compiles: every table tile at Kimi-K3's per-rank shape, per arch,
 for SiLU and SiTUv2, plus the variants the checks need (runtime betas, a second
-beta pair, asymmetric int4, the cvt_off int4 decode, fp32-atomic split-K stage 2).
+beta pair, asymmetric int4, the cvt_off int4 decode, fp32-atomic split-K stage 2),
+and on gfx950 the quantized-activation kernels: both activation quantizers, every
+tier's a8w4 and a4w4 stages with SiTUv2, and SiLU / other-beta / atomic variants.
 """
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from dataclasses import replace
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.flydsl import tiles
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig
+from kimi_k3_moe.kernels.flydsl.config import ACT_DTYPES, KernelConfig, QuantConfig
 
 # Kimi-K3 at TP8: routed experts run at hidden 3584, intermediate 3072/8 per rank, top-16
 K3_HIDDEN = 3584
@@ -19,8 +21,8 @@ OTHER_SITU = ActivationSpec.situv2(2.0, 1.5)   # a second beta pair: must never 
 FORMAT = {"gfx942": "int4", "gfx950": "mxfp4"}
 
 
-def ci_configs(archs=("gfx942", "gfx950")) -> list[KernelConfig]:
-    out: dict[KernelConfig, None] = {}
+def ci_configs(archs=("gfx942", "gfx950")) -> list[KernelConfig | QuantConfig]:
+    out: dict[KernelConfig | QuantConfig, None] = {}
     for arch in archs:
         fmt = FORMAT[arch]
         shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
@@ -37,4 +39,25 @@ def ci_configs(archs=("gfx942", "gfx950")) -> list[KernelConfig]:
                        replace(s1, int4_decode="cvt_off")]
         for cfg in extras:
             out.setdefault(cfg)
+        for cfg in quantized_configs(arch):
+            out.setdefault(cfg)
+    return list(out)
+
+
+def quantized_configs(arch: str) -> list[KernelConfig | QuantConfig]:
+    """fp8/fp4 activations (gfx950 only): quantizer, every tier's stages, and the variants."""
+    shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
+    out: dict[KernelConfig | QuantConfig, None] = {}
+    for act in ACT_DTYPES[arch]:
+        if act == "bf16":
+            continue
+        out.setdefault(QuantConfig(arch, act))
+        for cfg in tiles.sweep_configs(arch, "mxfp4", activations=[K3_SITU], act_dtype=act, **shape):
+            out.setdefault(cfg)
+        s1, s2 = tiles.stage_configs(arch, "mxfp4", num_tokens=1, activation=K3_SITU, act_dtype=act, **shape)
+        out.setdefault(s1.with_activation(ActivationSpec.silu()))
+        if act == "fp8":
+            out.setdefault(s1.with_activation(OTHER_SITU))
+        else:
+            out.setdefault(replace(s2, reduce="atomic", split_k=3))
     return list(out)

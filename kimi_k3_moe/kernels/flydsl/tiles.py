@@ -87,41 +87,55 @@ def tier_for(arch: str, num_tokens: int, table: dict | None = None) -> Tier:
     raise AssertionError("unreachable: the last tier is open-ended (checked at load)")
 
 
-def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int) -> dict[str, Any]:
-    """The tier's tile, narrowed until it divides this shape (n_rep first, then waves)."""
+def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = False,
+         lds: bool = True) -> dict[str, Any]:
+    """The tier's tile, narrowed until it divides this shape (n_rep first, then waves).
+
+    `pairs` (stage 1 with quantized activations: a wave's output columns must come in
+    32-column scale groups) keeps n_rep even, turning an odd n_rep into twice as many
+    sub-tiles on half the waves; `lds=False` (quantized activations) drops the LDS staging.
+    """
     if N % layout.MFMA_TILE or K % layout.K_BLOCK:
         raise ValueError(f"FlyDSL kernels need N % {layout.MFMA_TILE} == 0 and K % {layout.K_BLOCK} == 0 "
                          f"(got N={N}, K={K})")
     tile = dict(stage_tile)
+    low = 2 if pairs else 1
+    if pairs and tile["n_rep"] % 2:
+        tile["n_rep"] *= 2
+        tile["waves"] = max(1, tile["waves"] // 2)
+    if pairs and N % (2 * layout.MFMA_TILE):
+        raise ValueError(f"quantized activations need N % 32 == 0 (one e8m0 scale per 32 columns), got N={N}")
     while N % (tile["waves"] * tile["n_rep"] * layout.MFMA_TILE):
-        if tile["n_rep"] > 1:
+        if tile["n_rep"] > low:
             tile["n_rep"] //= 2
         else:
             tile["waves"] //= 2
     while K % (layout.K_BLOCK * tile["kb_unroll"]):
         tile["kb_unroll"] //= 2
-    if tile["a_lds"] and (BM * 16 * tile["kb_unroll"]) % (tile["waves"] * layout.LANES):
+    if not lds or (tile["a_lds"] and (BM * 16 * tile["kb_unroll"]) % (tile["waves"] * layout.LANES)):
         tile["a_lds"] = False
     return tile
 
 
 def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int, num_tokens: int,
                   activation: ActivationSpec, betas: str = "const", has_offsets: bool = False,
-                  reduce: str = "slots", int4_decode: str = "shift",
+                  reduce: str = "slots", int4_decode: str = "shift", act_dtype: str = "bf16",
                   table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
     """(stage 1, stage 2) kernel configs for a layer of this shape at this token count."""
     tier = tier_for(arch, num_tokens, table)
     common = dict(arch=arch, weight_format=weight_format, top_k=top_k, BM=tier.BM, has_offsets=has_offsets,
-                  int4_decode=int4_decode)
+                  int4_decode=int4_decode, act_dtype=act_dtype)
+    quantized = act_dtype != "bf16"
     s1 = KernelConfig(stage=1, N=inter, K=hidden, activation="silu", **common,
-                      **_fit(tier.stage1, tier.BM, inter, hidden)).with_activation(activation, betas)
+                      **_fit(tier.stage1, tier.BM, inter, hidden, pairs=quantized, lds=not quantized)
+                      ).with_activation(activation, betas)
     s2 = KernelConfig(stage=2, N=hidden, K=inter, reduce=reduce, **common,
-                      **_fit(tier.stage2, tier.BM, hidden, inter))
+                      **_fit(tier.stage2, tier.BM, hidden, inter, lds=not quantized))
     return s1, s2
 
 
 def sweep_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int,
-                  activations: list[ActivationSpec], has_offsets: bool = False,
+                  activations: list[ActivationSpec], has_offsets: bool = False, act_dtype: str = "bf16",
                   table: dict | None = None) -> list[KernelConfig]:
     """Every distinct config the table yields for this shape, per activation (CI compiles these)."""
     table = default_table() if table is None else table
@@ -130,6 +144,7 @@ def sweep_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top
         n = tier.max_tokens or (table[arch][-2].max_tokens + 1 if len(table[arch]) > 1 else 1)
         for act in activations:
             for cfg in stage_configs(arch, weight_format, hidden=hidden, inter=inter, top_k=top_k,
-                                     num_tokens=n, activation=act, has_offsets=has_offsets, table=table):
+                                     num_tokens=n, activation=act, has_offsets=has_offsets,
+                                     act_dtype=act_dtype, table=table):
                 seen.setdefault(cfg)
     return list(seen)

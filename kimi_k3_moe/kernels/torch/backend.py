@@ -3,11 +3,18 @@
 Slow but exact to the format and light on memory; it serves CPU machines and
 stands behind every GPU backend as the last fallback. With
 `weight_format="int4"` it computes what the gfx942 kernels compute.
+
+Quantized activations (`act_dtype="fp8"|"fp4"`) are emulated: the activations
+are quantized and dequantized by the formats' CPU quantizers at the two points
+where the kernels quantize (`act_quant.ActQuant`), then multiplied in fp32. The
+CPU path and the fallback behind a quantized-activation kernel therefore compute
+the function that kernel computes, not a more accurate one; it is not faster.
 """
 from __future__ import annotations
 
 import torch
 
+from kimi_k3_moe.act_quant import ActQuant, resolve_act_dtype
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.base import ExpertWeights, MoEBackend
@@ -21,19 +28,25 @@ class TorchBackend(MoEBackend):
     name = "torch"
 
     def __init__(self, weight_format: str = "mxfp4", int4_method: str = int4.DEFAULT_METHOD,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, act_dtype: str = "bf16",
+                 act_quant: ActQuant | None = None):
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"torch backend: weight_format {weight_format!r} not in {WEIGHT_FORMATS}")
         if int4_method not in int4.METHODS:
             raise ValueError(f"torch backend: int4_method {int4_method!r} not in {int4.METHODS}")
+        act_dtype = resolve_act_dtype(act_dtype)
+        act_quant = act_quant or ActQuant.for_dtype(act_dtype)
+        if act_quant.dtype != act_dtype:
+            raise ValueError(f"torch backend: act_quant {act_quant} does not match act_dtype {act_dtype!r}")
         self.weight_format = weight_format
         self.int4_method = int4_method
         self.compute_dtype = compute_dtype
+        self.act_quant = act_quant
 
     def describe(self) -> str:
-        if self.weight_format == "int4":
-            return f"{self.name}[int4/{self.int4_method}]"
-        return f"{self.name}[{self.weight_format}]"
+        fmt = f"int4/{self.int4_method}" if self.weight_format == "int4" else self.weight_format
+        act = f", {self.act_quant.tag()} emulated" if self.act_quant.quantizes else ""
+        return f"{self.name}[{fmt}{act}]"
 
     def available(self) -> tuple[bool, str]:
         return True, "PyTorch runs everywhere"
@@ -71,4 +84,4 @@ class TorchBackend(MoEBackend):
 
         return dense_moe(hidden, lambda e: weights(e)[0], lambda e: weights(e)[1],
                          topk_weights, topk_ids, activation, expert_map,
-                         compute_dtype=self.compute_dtype)
+                         compute_dtype=self.compute_dtype, act_quant=self.act_quant)

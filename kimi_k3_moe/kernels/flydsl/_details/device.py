@@ -153,3 +153,90 @@ def activate(cfg, params, gate, up):
     b, cg, lb, cu = params
     return L.situv2_mul(gate, up, b, cg, lb, cu, exp2, rcp,
                         select=select if cfg.betas == "runtime" else None)
+
+
+# --------------------------------------------------------------------- quantized activations (gfx950)
+class FlyOps:
+    """The `ops` of layout.minifloat_code / e8m0_from_amax_bits, on FlyDSL values."""
+
+    @staticmethod
+    def select(cond, a, b):
+        return cond.select(_i32_or(a), _i32_or(b))
+
+    @staticmethod
+    def bits(x):
+        return fx.Float32(x).bitcast(fx.Int32)
+
+    @staticmethod
+    def f32(i):
+        return fx.Int32(i).bitcast(fx.Float32)
+
+
+def _i32_or(v):
+    return fx.Int32(v) if isinstance(v, int) else v
+
+
+def load_u8(res, byte_off):
+    """One byte, zero-extended to i32 (an e8m0 scale: the scaled MFMA takes it in bits 0-7)."""
+    return fx.Uint8(load(res, byte_off, T.i8)).to(fx.Int32)
+
+
+def load_qact(cfg, res, row, kb, g):
+    """The B operand of the scaled MFMA for one activation row: v4i32 (e2m1) or v8i32 (e4m3)."""
+    lo = load_v4i32(res, L.qact_byte_offset(row, kb, g, 0, cfg.K, cfg.act_dtype))
+    if cfg.act_dtype == "fp4":
+        return lo
+    hi = load_v4i32(res, L.qact_byte_offset(row, kb, g, 1, cfg.K, cfg.act_dtype))
+    return lo.shuffle(hi, list(range(8)))
+
+
+def mma_scaled(cfg, acc, w4, w_scale, x, x_scale):
+    """acc (v4f32) += one K128 block: 16 e2m1 weight rows (A, scale per lane) x 16 activation rows (B)."""
+    return fx.Vector(rocdl.mfma_scale_f32_16x16x128_f8f6f4(
+        T.vec(4, T.f32), [w4, x, acc, L.MFMA_FMT["fp4"], L.MFMA_FMT[cfg.act_dtype], 0, w_scale, 0, x_scale]))
+
+
+def imax(a, b):
+    return (a > b).select(a, b)
+
+
+def lane_amax(v, lane):
+    """Max of a non-negative i32 (float bits) over lanes l, l^16, l^32, l^48 (two ds_bpermute steps)."""
+    for partner in L.amax_partner_lanes(lane):
+        other = fx.Int32(rocdl.ds_bpermute(T.i32, (partner * 4).ir_value(), fx.Int32(v).ir_value()))
+        v = imax(v, other)
+    return v
+
+
+def quantize_group(values, act_dtype, lane=None):
+    """float32 values (one lane's share of a 32-group; the rest on lanes l^16, l^32 when `lane` is
+    given) -> (codes, e8m0 byte), with layout.py's rounding rules."""
+    amax = None
+    for v in values:
+        mag = FlyOps.bits(v) & 0x7FFFFFFF
+        amax = mag if amax is None else imax(amax, mag)
+    if lane is not None:
+        amax = lane_amax(amax, lane)
+    b = L.e8m0_from_amax_bits(amax, act_dtype, FlyOps)
+    mult = FlyOps.f32(L.e8m0_reciprocal_bits(b))
+    return [L.minifloat_code(v * mult, act_dtype, FlyOps) for v in values], b
+
+
+def pack_codes(codes, act_dtype):
+    """Codes of consecutive elements -> i32 words, element 0 in the lowest bits (bytes or nibbles)."""
+    per = 32 // L.ACT_CODE_BITS[act_dtype]
+    words = []
+    for i in range(0, len(codes), per):
+        w = codes[i]
+        for j in range(1, min(per, len(codes) - i)):
+            w = w | (codes[i + j] << (j * L.ACT_CODE_BITS[act_dtype]))
+        words.append(w)
+    return words
+
+
+def store_u8(val, res, byte_off):
+    rocdl.raw_ptr_buffer_store(fx.Int32(val).to(fx.Uint8).ir_value(), res, i32(byte_off), i32(0))
+
+
+def store_u16(val, res, byte_off):
+    rocdl.raw_ptr_buffer_store(fx.Int32(val).to(fx.Int16).ir_value(), res, i32(byte_off), i32(0))

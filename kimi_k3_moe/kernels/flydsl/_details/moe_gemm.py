@@ -9,6 +9,13 @@ its activation rows by token (SID[p] // top_k) and applies the activation to fp3
 order, scales by the router weight and stores one bf16 row per (token, slot), or
 adds fp32 atomically per token. Indices and decode formulas are `layout.py`'s.
 
+Quantized activations (gfx950, cfg.act_dtype "fp8"/"fp4"): both stages read e4m3
+or e2m1 activation codes with an e8m0 byte per 32 and run one
+v_mfma_scale_f32_16x16x128_f8f6f4 per K128 block and tile (weights as the e2m1 A
+operand with their own e8m0 scales); stage 1 applies the activation to fp32 and
+quantizes the result per 32 columns for stage 2. `build_quant` is the kernel that
+quantizes the hidden rows before stage 1.
+
 Compiled for gfx942 and gfx950 on a CPU; never run on AMD hardware here.
 """
 
@@ -26,9 +33,16 @@ from kimi_k3_moe.kernels.flydsl.config import KernelConfig
 # Plain functions (not rewritten by FlyDSL's AST pass): Python `if`s here are
 # compile-time choices, and their loops unroll.
 def _activation_rsrc(cfg, A, num_tokens, num_rows):
-    if cfg.stage == 1:
-        return D.rsrc(fx.get_iter(A), fx.Int64(num_tokens) * (cfg.K * 2))   # token T (padding) reads 0
-    return D.rsrc(fx.get_iter(A), fx.Int64(num_rows) * (cfg.K * 2))
+    rows = num_tokens if cfg.stage == 1 else num_rows                    # stage 1: token T (padding) reads 0
+    row_bytes = L.qact_row_bytes(cfg.K, cfg.act_dtype) if cfg.quantized else cfg.K * 2
+    return D.rsrc(fx.get_iter(A), fx.Int64(rows) * row_bytes)
+
+
+def _act_scale_rsrc(cfg, AS, num_tokens, num_rows):
+    if not cfg.quantized:
+        return None
+    rows = num_tokens if cfg.stage == 1 else num_rows
+    return D.rsrc(fx.get_iter(AS), fx.Int64(rows) * (cfg.K // L.GROUP))
 
 
 def _activation_rows(cfg, slots, p_rows):
@@ -84,9 +98,30 @@ def _load_weights(cfg, rw, rs, ro, w_rows, kb, g):
     for row in w_rows:
         gi = L.group_index(row, kb, g, cfg.K)
         words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
-        scales.append(D.load_scale(cfg, rs, gi))
+        # quantized activations: the raw e8m0 byte goes to the scaled MFMA
+        scales.append(D.load_u8(rs, gi) if cfg.quantized else D.load_scale(cfg, rs, gi))
         offsets.append(D.load_offset(ro, gi) if cfg.has_offsets else None)
     return words, scales, offsets
+
+
+def _load_qactivations(cfg, ra, ras, a_rows, kb, g):
+    """Per row sub-tile mi: the scaled MFMA's B operand and its e8m0 byte (group 4kb + g)."""
+    xs, scales = [], []
+    for mi in range(cfg.BM // L.MFMA_TILE):
+        xs.append(D.load_qact(cfg, ra, a_rows[mi], kb, g))
+        scales.append(D.load_u8(ras, L.act_scale_index(a_rows[mi], kb, g, cfg.K)))
+    return xs, scales
+
+
+def _mma_block_scaled(cfg, accs, words, w_scales, xs, x_scales):
+    """One scaled MFMA per (weight sub-tile, row sub-tile) covers the whole K128 block."""
+    m_rep = cfg.BM // L.MFMA_TILE
+    new = list(accs)
+    for wi in range(len(words)):
+        for mi in range(m_rep):
+            a = wi * m_rep + mi
+            new[a] = D.mma_scaled(cfg, new[a], words[wi], w_scales[wi], xs[mi], x_scales[mi])
+    return new
 
 
 def _load_activations(cfg, ra, lds, a_rows, kb, u, g, r):
@@ -114,6 +149,53 @@ def _mma_block(cfg, accs, words, scales, offsets, xs):
                 a = wi * m_rep + mi
                 new[a] = D.mma(cfg, new[a], w8, xs[mi * 4 + j])
     return new
+
+
+def _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb, u, g, r):
+    """Loads and MFMAs of one K128 block (a plain function: its Python `if`s are compile-time)."""
+    words, scales, offsets = _load_weights(cfg, rw, rs, ro, w_rows, kb, g)
+    if cfg.quantized:
+        xs, x_scales = _load_qactivations(cfg, ra, ras, a_rows, kb, g)
+        return _mma_block_scaled(cfg, accs, words, scales, xs, x_scales)
+    xs = _load_activations(cfg, ra, lds, a_rows, kb, u, g, r)
+    return _mma_block(cfg, accs, words, scales, offsets, xs)
+
+
+def _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g,
+            lane):
+    if cfg.quantized and cfg.stage == 1:
+        _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, lane)
+    else:
+        _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g)
+
+
+def _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, lane):
+    """Stage 1, quantized output: activation in fp32, then per 32 columns (sub-tiles 2c, 2c+1 of a
+    wave, lanes r + 16g') an e8m0 byte and 4 codes per lane and sub-tile."""
+    m_rep = cfg.BM // L.MFMA_TILE
+    N, act = cfg.N, cfg.act_dtype
+    ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_rows) * L.qact_row_bytes(N, act))
+    rys = D.rsrc(fx.get_iter(YS), fx.Int64(num_rows) * (N // L.GROUP))
+    params = D.activation_params(cfg, beta, lin_beta)
+    for c in range(cfg.n_rep // 2):
+        pair = (2 * c, 2 * c + 1)
+        n0s = [L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1] for ni in pair]
+        for mi in range(m_rep):
+            ys = []
+            for ni in pair:
+                gate = accs[(ni * 2 + 0) * m_rep + mi]
+                up = accs[(ni * 2 + 1) * m_rep + mi]
+                ys += [D.activate(cfg, params, fx.Float32(gate[e]), fx.Float32(up[e])) for e in range(4)]
+            codes, b = D.quantize_group(ys, act, lane)
+            for j, n0 in enumerate(n0s):
+                word = D.pack_codes(codes[4 * j:4 * j + 4], act)[0]
+                off = L.qinter_byte_offset(p_rows[mi], n0 + g * 4, N, act)
+                if act == "fp8":
+                    D.store(word, ry, off)
+                else:
+                    D.store_u16(word, ry, off)
+            # the four lanes of a row hold the same byte; each stores it (same value, same address)
+            D.store_u8(b, rys, L.qinter_scale_offset(p_rows[mi], n0s[0], N))
 
 
 def _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
@@ -160,6 +242,10 @@ def build(cfg: KernelConfig):
       stage 1: A = hidden [T*H] bf16, Y = INTER [P*I] bf16 (TW unused)
       stage 2: A = INTER [P*I] bf16, TW = topk_weights [T*k] f32,
                Y = SLOTS [T*k*H] bf16 (reduce="slots") or ACC [T*H] f32 (reduce="atomic")
+    quantized (cfg.act_dtype fp8/fp4), two more tensors after Y:
+    launcher(A, W, S, OFS, SID, BE, TW, Y, AS, YS, num_tokens, num_rows, beta, lin_beta[, stream])
+      A holds codes (uint8) and AS their e8m0 bytes [rows * K/32]; stage 1 writes codes to Y
+      (uint8) and e8m0 bytes to YS [P * I/32] (stage 2 leaves YS alone).
       W/S/OFS: one layer's experts, flat; OFS is read only when cfg.has_offsets.
       num_rows = P (a multiple of BM); beta/lin_beta are read only for runtime-beta situv2.
     """
@@ -174,56 +260,134 @@ def build(cfg: KernelConfig):
     class ActTile:
         x: fx.Array[fx.Int32, max(BM * L.lds_row_bytes(U) // 4, 4), 16]
 
-    @flyc.kernel(name=cfg.name, known_block_size=[threads, 1, 1])
-    def k3moe(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
-              TW: fx.Tensor, Y: fx.Tensor, num_tokens: fx.Int32, num_rows: fx.Int32,
-              beta: fx.Float32, lin_beta: fx.Float32):
-        tid = fx.thread_idx.x
+    def prologue(tid, BE):
         lane = tid & 63
         wave = fx.Int32(rocdl.readfirstlane(T.i32, (tid >> 6).ir_value()))
         g, r = L.lane_split(lane)
-        bid_m = fx.block_idx.x
-        bid_n = fx.block_idx.y
-        bid_k = fx.block_idx.z
-        expert = rocdl.s_buffer_load(rocdl.make_buffer_ptr(fx.get_iter(BE)), bid_m)
-        if expert >= 0:                                   # unused alignment blocks exit at once
-            e64 = fx.Int64(expert)
-            rw = D.rsrc(D.expert_ptr(W, e64 * code_stride))
-            rs = D.rsrc(D.expert_ptr(S, e64 * group_stride))
-            ro = D.rsrc(D.expert_ptr(OFS, e64 * group_stride))
-            rsid = D.rsrc(fx.get_iter(SID))
-            ra = _activation_rsrc(cfg, A, num_tokens, num_rows)
-            p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, cfg.n_rep)[0] + r
-                      for mi in range_constexpr(m_rep)]
-            slots = [D.load_i32(rsid, L.sid_byte_offset(p)) for p in p_rows]
-            a_rows = _activation_rows(cfg, slots, p_rows)
-            w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
-            lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid)
+        expert = rocdl.s_buffer_load(rocdl.make_buffer_ptr(fx.get_iter(BE)), fx.block_idx.x)
+        return lane, wave, g, r, expert
 
-            accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range_constexpr(n_acc)]
-            for it in range(iters):
-                kb0 = (fx.Int32(bid_k) * iters + fx.Int32(it)) * U
-                _stage_tile(cfg, ra, lds, plan, kb0)
-                for u in range_constexpr(U):
-                    kb = kb0 + u
-                    words, scales, offsets = _load_weights(cfg, rw, rs, ro, w_rows, kb, g)
-                    xs = _load_activations(cfg, ra, lds, a_rows, kb, u, g, r)
-                    accs = _mma_block(cfg, accs, words, scales, offsets, xs)
-                _end_tile(cfg)
+    def operands(A, W, S, OFS, SID, AS, expert, tid, wave, r, num_tokens, num_rows):
+        bid_m, bid_n = fx.block_idx.x, fx.block_idx.y
+        e64 = fx.Int64(expert)
+        rw = D.rsrc(D.expert_ptr(W, e64 * code_stride))
+        rs = D.rsrc(D.expert_ptr(S, e64 * group_stride))
+        ro = D.rsrc(D.expert_ptr(OFS, e64 * group_stride))
+        rsid = D.rsrc(fx.get_iter(SID))
+        ra = _activation_rsrc(cfg, A, num_tokens, num_rows)
+        ras = _act_scale_rsrc(cfg, AS, num_tokens, num_rows)
+        p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, cfg.n_rep)[0] + r for mi in range(m_rep)]
+        slots = [D.load_i32(rsid, L.sid_byte_offset(p)) for p in p_rows]
+        a_rows = _activation_rows(cfg, slots, p_rows)
+        w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
+        lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid)
+        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_acc)]
+        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, slots, p_rows), accs
 
-            _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
-                      bid_m, bid_n, wave, g)
+    def k_iteration(ops, accs, it, g, r):
+        rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows = ops[:9]
+        kb0 = (fx.Int32(fx.block_idx.z) * iters + fx.Int32(it)) * U
+        _stage_tile(cfg, ra, lds, plan, kb0)
+        for u in range(U):
+            accs = _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb0 + u, u, g, r)
+        _end_tile(cfg)
+        return accs
 
-    @flyc.jit
-    def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
-               TW: fx.Tensor, Y: fx.Tensor, num_tokens: fx.Int32, num_rows: fx.Int32,
-               beta: fx.Float32, lin_beta: fx.Float32, stream: fx.Stream = fx.Stream(None)):
-        k3moe(A, W, S, OFS, SID, BE, TW, Y, num_tokens, num_rows, beta, lin_beta).launch(
-            grid=(num_rows // BM, cfg.N // BN, cfg.split_k), block=(threads, 1, 1), stream=stream)
+    def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
+        slots, p_rows = ops[9:]
+        _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
+                fx.block_idx.x, fx.block_idx.y, wave, g, lane)
+
+    # Two signatures: quantized kernels take the activation scales AS and stage 1's output
+    # scales YS. The bf16 kernels keep the shorter one: two more (unused) kernel arguments
+    # changed LLVM's scheduling of them (measured 46 -> 92 VGPRs on gfx950 stage 1).
+    if cfg.quantized:
+        @flyc.kernel(name=cfg.name, known_block_size=[threads, 1, 1])
+        def k3moe_q(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                    TW: fx.Tensor, Y: fx.Tensor, AS: fx.Tensor, YS: fx.Tensor, num_tokens: fx.Int32,
+                    num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32):
+            tid = fx.thread_idx.x
+            lane, wave, g, r, expert = prologue(tid, BE)
+            if expert >= 0:                               # unused alignment blocks exit at once
+                ops, accs = operands(A, W, S, OFS, SID, AS, expert, tid, wave, r, num_tokens, num_rows)
+                for it in range(iters):
+                    accs = k_iteration(ops, accs, it, g, r)
+                epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
+
+        @flyc.jit
+        def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                   TW: fx.Tensor, Y: fx.Tensor, AS: fx.Tensor, YS: fx.Tensor, num_tokens: fx.Int32,
+                   num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32,
+                   stream: fx.Stream = fx.Stream(None)):
+            k3moe_q(A, W, S, OFS, SID, BE, TW, Y, AS, YS, num_tokens, num_rows, beta, lin_beta).launch(
+                grid=(num_rows // BM, cfg.N // BN, cfg.split_k), block=(threads, 1, 1), stream=stream)
+    else:
+        @flyc.kernel(name=cfg.name, known_block_size=[threads, 1, 1])
+        def k3moe(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                  TW: fx.Tensor, Y: fx.Tensor, num_tokens: fx.Int32, num_rows: fx.Int32,
+                  beta: fx.Float32, lin_beta: fx.Float32):
+            tid = fx.thread_idx.x
+            lane, wave, g, r, expert = prologue(tid, BE)
+            if expert >= 0:                               # unused alignment blocks exit at once
+                ops, accs = operands(A, W, S, OFS, SID, None, expert, tid, wave, r, num_tokens, num_rows)
+                for it in range(iters):
+                    accs = k_iteration(ops, accs, it, g, r)
+                epilogue(ops, accs, Y, None, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
+
+        @flyc.jit
+        def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                   TW: fx.Tensor, Y: fx.Tensor, num_tokens: fx.Int32, num_rows: fx.Int32,
+                   beta: fx.Float32, lin_beta: fx.Float32, stream: fx.Stream = fx.Stream(None)):
+            k3moe(A, W, S, OFS, SID, BE, TW, Y, num_tokens, num_rows, beta, lin_beta).launch(
+                grid=(num_rows // BM, cfg.N // BN, cfg.split_k), block=(threads, 1, 1), stream=stream)
 
     if cfg.waves_per_eu:
         launch.compile_hints = {**launch.compile_hints, "waves_per_eu": cfg.waves_per_eu}
     # FlyDSL names the host function and the disk-cache folder after this; the
     # config name carries the activation and the exact beta bits.
     launch.func.__name__ = cfg.name
+    return launch
+
+
+# ------------------------------------------------------------------------- activation quantization
+def _quantize_one_group(act, rx, rq, rs, q):
+    """Lane q: 32 bf16 values (64 bytes) -> codes (32 or 16 bytes) and one e8m0 byte."""
+    x_off, q_off, s_off = L.quant_group_offsets(q, act)
+    values = []
+    for i in range(4):
+        chunk = D.load_v4i32(rx, x_off + 16 * i)
+        for j in range(4):
+            word = fx.Int32(chunk[j])                                    # bf16 pair, element 2j low
+            values += [D.FlyOps.f32(word << 16), D.FlyOps.f32((word >> 16) << 16)]
+    codes, b = D.quantize_group(values, act)
+    words = D.pack_codes(codes, act)
+    for i in range(len(words) // 4):
+        D.store(fx.Vector.from_elements(words[4 * i:4 * i + 4], fx.Int32), rq, q_off + 16 * i)
+    D.store_u8(b, rs, s_off)
+
+
+def build_quant(qcfg):
+    """The @flyc.jit launcher of the activation quantization kernel (config.QuantConfig).
+
+    launcher(X, XQ, XS, num_groups[, stream]): X = bf16 [G*32], XQ = uint8 codes [G*32] (fp8)
+    or [G*16] (fp4, packed), XS = uint8 e8m0 [G]; lane q quantizes group q (elements 32q..32q+31).
+    """
+    act, threads = qcfg.act_dtype, qcfg.threads
+    code_bytes = 4 * L.ACT_CODE_BITS[act]          # per group of 32
+
+    @flyc.kernel(name=qcfg.name, known_block_size=[threads, 1, 1])
+    def k3quant(X: fx.Tensor, XQ: fx.Tensor, XS: fx.Tensor, num_groups: fx.Int32):
+        q = fx.block_idx.x * threads + fx.thread_idx.x
+        rx = D.rsrc(fx.get_iter(X), fx.Int64(num_groups) * 64)          # lanes past the end read 0 ...
+        rq = D.rsrc(fx.get_iter(XQ), fx.Int64(num_groups) * code_bytes)  # ... and their stores drop
+        rs = D.rsrc(fx.get_iter(XS), fx.Int64(num_groups))
+        _quantize_one_group(act, rx, rq, rs, q)
+
+    @flyc.jit
+    def launch(X: fx.Tensor, XQ: fx.Tensor, XS: fx.Tensor, num_groups: fx.Int32,
+               stream: fx.Stream = fx.Stream(None)):
+        k3quant(X, XQ, XS, num_groups).launch(grid=((num_groups + (threads - 1)) // threads, 1, 1),
+                                              block=(threads, 1, 1), stream=stream)
+
+    launch.func.__name__ = qcfg.name
     return launch
