@@ -28,7 +28,7 @@ def test_cuda_and_rocm_plans_use_triton():
     rocm = plan_backends(Platform("rocm", "gfx942", "MI300X"), {})
     assert [c.name for c in rocm][:2] == ["flydsl", "triton"] and rocm[1].options["weight_format"] == "int4"
     forced = plan_backends(Platform("rocm", "gfx950", "MI355X"), {ENV_BACKEND: "triton"})
-    assert [(c.name, dict(c.options)) for c in forced] == [("triton", {"weight_format": "mxfp4"})]
+    assert [(c.name, dict(c.options)) for c in forced] == [("triton", {"weight_format": "mxfp4", "act_dtype": "bf16"})]
 
 
 def test_package_import_does_not_import_triton():
