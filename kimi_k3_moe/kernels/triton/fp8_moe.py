@@ -28,16 +28,23 @@ ACT_QUANT = ActQuant(FP8, hidden=TOKEN, inter=TOKEN)
 MIN_DOT_K = 32  # e4m3 dots on Hopper take K in steps of 32
 
 
+MAX_ACC_PER_THREAD = 96  # stage 1's two fp32 accumulators above this spill on sm_90 (BM 128 x BN 64, 4 warps)
+
+
 def fp8_config(config: MoEConfig) -> MoEConfig:
-    """A bf16 MoEConfig made valid for the e4m3 kernels: word dots need K/8 >= 32, else one dot in K order."""
+    """A bf16 MoEConfig made valid for the e4m3 kernels: word dots need K/8 >= 32, else one dot in K order;
+    stage 1 (two accumulators) gets more warps where its accumulators alone would fill the registers."""
     if config.path != "aligned":
         return config
 
-    def fix(cfg: KernelConfig) -> KernelConfig:
+    def fix(cfg: KernelConfig, accumulators: int) -> KernelConfig:
         if not cfg.interleave and cfg.block_k // 8 < MIN_DOT_K:
             cfg = replace(cfg, interleave=True)
+        while accumulators * config.block_m * cfg.block_n > MAX_ACC_PER_THREAD * 32 * cfg.num_warps \
+                and cfg.num_warps < 8:
+            cfg = replace(cfg, num_warps=cfg.num_warps * 2)
         return cfg
-    return replace(config, stage1=fix(config.stage1), stage2=fix(config.stage2))
+    return replace(config, stage1=fix(config.stage1, 2), stage2=fix(config.stage2, 1))
 
 
 def _weights(experts: Fp8Experts, which: str) -> dict:
