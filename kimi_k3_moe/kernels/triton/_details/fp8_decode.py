@@ -52,7 +52,7 @@ def _transpose_ptx(rows: str, first_out: int) -> str:
 
 # Operands: $0..$7 the slot registers (byte k = word k's slot j), $8..$11 four words,
 # $12..$15 their tables' low halves, $16..$19 the high halves (pack=4, Triton's operand order).
-# tests/triton/test_fp8.py runs this string through a PTX emulator.
+# tests/triton/test_fp8_activations.py runs this string through a PTX emulator.
 FP8_WORDS_PTX = tl.constexpr(
     "{\n        .reg .b32 m, s, p, q, lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3;"
     + "".join(_word_ptx(k) for k in range(4))
