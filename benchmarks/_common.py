@@ -131,6 +131,31 @@ def bf16_matmul_tflops(device="cuda", n: int = 8192, reps: int = 10) -> float:
     return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
+def fp8_matmul_tflops(device="cuda", n: int = 8192, reps: int = 10) -> float | None:
+    """e4m3 x e4m3 -> bf16 (torch._scaled_mm, fast accumulation), measured like bf16_matmul_tflops;
+    None where torch has no fp8 matmul here."""
+    try:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device, dtype=torch.float32)
+
+        def mm():
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+        for _ in range(3):
+            mm()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            mm()
+        end.record()
+        end.synchronize()
+        return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    except Exception as exc:  # reported by the caller
+        log(f"fp8 matmul rate not measured: {type(exc).__name__}: {exc}")
+        return None
+
+
 def moe_flops(num_tokens: int, topk: int, hidden: int, inter: int) -> float:
     return 2.0 * num_tokens * topk * (hidden * 2 * inter + inter * hidden)
 
@@ -176,6 +201,7 @@ class Recipe:
     config: str         # MoEConfig as JSON
     offsets: bool = False
     expert_map: bool = False
+    act_dtype: str = "bf16"   # "fp8": the e4m3-activation kernels (MXFP4 weights)
 
 
 def _build_plan(recipe: Recipe, device="cuda"):
@@ -201,6 +227,11 @@ def _build_plan(recipe: Recipe, device="cuda"):
     emap = torch.zeros(e, dtype=torch.int32, device=device) if recipe.expert_map else None
     act = ActivationSpec(*recipe.act)
     cfg = MoEConfig.from_json(json.loads(recipe.config))
+    if recipe.act_dtype == "fp8":
+        from kimi_k3_moe.kernels.triton.aot import meta_fp8_experts
+        from kimi_k3_moe.kernels.triton.fp8_moe import plan_moe_fp8
+        return plan_moe_fp8(meta_fp8_experts(e, h, i, device), hidden, weights, ids, act, emap,
+                            torch.empty_like(hidden), cfg)
     return plan_moe(experts, hidden, weights, ids, act, emap, torch.empty_like(hidden), cfg)
 
 

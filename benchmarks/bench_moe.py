@@ -10,6 +10,13 @@ the vllm wheel; pass its folder with --peer-path, never committed here).
 Every time is a CUDA-graph replay with L2 flushed before it, median of --reps.
 
     python benchmarks/bench_moe.py [--tokens 1,4,16,64,256,1024,4096,16384] [--peer-path .peer]
+    python benchmarks/bench_moe.py --act-dtypes bf16,fp8 --peers ""     # fp8 activations beside bf16
+
+With fp8 in --act-dtypes, MXFP4 also runs with e4m3 activations (Hopper); its
+compute floor uses the e4m3 matmul rate measured in the same run
+(torch._scaled_mm, fast accumulation), and each fp8 row is also given as a
+ratio to the bf16 path. --fp8-variants times a few other fp8 tile configs at
+large token counts (data for tuning; the default config is what ships).
 """
 from __future__ import annotations
 
@@ -19,8 +26,8 @@ import time
 import traceback
 
 from _common import (K3_TOPK, SHAPES, ColdL2Timer, Recipe, bf16_matmul_tflops, copy_bandwidth_gbps,
-                     env_info, log, moe_flops, mxfp4_bytes_per_expert, precompile, random_experts,
-                     random_hidden, random_routing, write_json)
+                     env_info, fp8_matmul_tflops, log, moe_flops, mxfp4_bytes_per_expert, precompile,
+                     random_experts, random_hidden, random_routing, write_json)
 
 import torch  # noqa: E402
 
@@ -112,6 +119,20 @@ class TritonKernelsPeer:
                                gammas=rdata.gate_scal)
 
 
+def fp8_variants(cfg):
+    """A few other e4m3 tile configs around `cfg` (aligned path only), by name."""
+    from dataclasses import replace
+    if cfg.path != "aligned":
+        return {}
+    out = {"s1-one-dot": replace(cfg, stage1=replace(cfg.stage1, interleave=True)),
+           "s2-bk128": replace(cfg, stage2=replace(cfg.stage2, block_k=128, interleave=True))}
+    if cfg.block_m < 128:
+        out["bm-x2"] = replace(cfg, block_m=cfg.block_m * 2)
+    if cfg.stage1.block_k < 512:
+        out["s1-bk512"] = replace(cfg, stage1=replace(cfg.stage1, block_k=512, num_stages=2))
+    return out
+
+
 # ------------------------------------------------------------------ main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -123,7 +144,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--out", default="results/bench_moe.json")
+    ap.add_argument("--act-dtypes", default="bf16", help="bf16 and/or fp8 (fp8: MXFP4 weights only)")
+    ap.add_argument("--fp8-variants", default="", help="token counts at which to time alternative fp8 configs")
     args = ap.parse_args()
+    act_dtypes = [a for a in args.act_dtypes.split(",") if a]
+    variant_tokens = [int(t) for t in args.fp8_variants.split(",") if t]
     tokens = [int(t) for t in args.tokens.split(",")]
     formats = [f for f in args.formats.split(",") if f]
     peers = [p for p in args.peers.split(",") if p]
@@ -133,7 +158,8 @@ def main() -> int:
     log("bench_moe", info)
     bw = copy_bandwidth_gbps()
     tflops = bf16_matmul_tflops()
-    log(f"copy bandwidth {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s")
+    fp8_tflops = fp8_matmul_tflops() if "fp8" in act_dtypes else None
+    log(f"copy bandwidth {bw:.0f} GB/s, bf16 matmul {tflops:.0f} TFLOP/s, fp8 matmul {fp8_tflops} TFLOP/s")
     gen = torch.Generator(device="cuda").manual_seed(4321)
     experts = random_experts(e, h, i, "cuda", gen)
     backends, prepared = {}, {}
@@ -141,9 +167,24 @@ def main() -> int:
         backends[fmt] = get_backend("triton", weight_format=fmt)
         src = requantize_experts(experts, progress=False) if fmt == "int4" else experts
         prepared[fmt] = backends[fmt].prepare(src)
+    if "bf16" not in act_dtypes:
+        formats = []
     recipes = [Recipe(fmt, e, h, i, t, K3_TOPK, (SITU.name, SITU.beta, SITU.linear_beta),
                       __import__("json").dumps(backends[fmt].lookup(prepared[fmt], t).config.to_json(), sort_keys=True))
                for fmt in formats for t in tokens]
+    fp8_be = fp8_p = None
+    variants = {}
+    if "fp8" in act_dtypes:
+        fp8_be = get_backend("triton", weight_format="mxfp4", act_dtype="fp8")
+        fp8_p = fp8_be.prepare(experts)
+        recipes += [Recipe("mxfp4", e, h, i, t, K3_TOPK, (SITU.name, SITU.beta, SITU.linear_beta),
+                           __import__("json").dumps(fp8_be.lookup(fp8_p, t).config.to_json(), sort_keys=True),
+                           act_dtype="fp8") for t in tokens]
+        for t in variant_tokens:
+            variants[t] = fp8_variants(fp8_be.lookup(fp8_p, t).config)
+            recipes += [Recipe("mxfp4", e, h, i, t, K3_TOPK, (SITU.name, SITU.beta, SITU.linear_beta),
+                               __import__("json").dumps(cfg.to_json(), sort_keys=True), act_dtype="fp8")
+                        for cfg in variants[t].values()]
     precompile(recipes, args.workers)
     peer_objs = {}
     for p in peers:
@@ -175,6 +216,30 @@ def main() -> int:
             except Exception as exc:
                 row[f"ours_{fmt}_error"] = f"{type(exc).__name__}: {exc}"[:300]
                 traceback.print_exc()
+        if fp8_be is not None:
+            try:
+                row["ours_mxfp4_fp8_config"] = fp8_be.lookup(fp8_p, t).source
+                row["ours_mxfp4_fp8_us"] = timer.time_graph(
+                    lambda: fp8_be.forward(fp8_p, hidden, weights, ids, SITU, out=out), reps=args.reps)["median_us"]
+                if fp8_tflops:
+                    row["floor_compute_fp8_us"] = moe_flops(t, K3_TOPK, h, i) / (fp8_tflops * 1e12) * 1e6
+                    row["ours_mxfp4_fp8_x_floor_compute_fp8"] = row["ours_mxfp4_fp8_us"] / row["floor_compute_fp8_us"]
+                row["ours_mxfp4_fp8_x_floor_bw"] = row["ours_mxfp4_fp8_us"] / row["floor_bw_us"]
+                if "ours_mxfp4_us" in row:
+                    row["fp8_over_bf16"] = row["ours_mxfp4_fp8_us"] / row["ours_mxfp4_us"]
+                if ours is not None:  # e4m3 activations against bf16 ones on the same weights
+                    fp8_be.forward(fp8_p, hidden, weights, ids, SITU, out=out)
+                    row["fp8_vs_bf16_rel_l2"] = relative_l2(out.float(), ours.float())
+            except Exception as exc:
+                row["ours_mxfp4_fp8_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                traceback.print_exc()
+        for name, cfg in variants.get(t, {}).items():
+            try:
+                be_v = get_backend("triton", weight_format="mxfp4", act_dtype="fp8", config=cfg)
+                row[f"fp8_variant_{name}_us"] = timer.time_graph(
+                    lambda: be_v.forward(fp8_p, hidden, weights, ids, SITU, out=out), reps=args.reps)["median_us"]
+            except Exception as exc:
+                row[f"fp8_variant_{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if "torch" in peer_objs:
             try:
                 peer = peer_objs["torch"]
@@ -201,9 +266,17 @@ def main() -> int:
                 row[f"ours_{fmt}_x_floor_compute"] = row[f"ours_{fmt}_us"] / row["floor_compute_us"]
         rows.append(row)
         log({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()})
-        write_json(args.out, {"info": info, "copy_bw_GBps": bw, "bf16_TFLOPs": tflops, "shape": s,
+        write_json(args.out, {"info": info, "copy_bw_GBps": bw, "bf16_TFLOPs": tflops,
+                              "fp8_TFLOPs": fp8_tflops, "shape": s,
                               "topk": K3_TOPK, "activation": str(SITU), "bytes_per_expert": per_expert,
                               "rows": rows})
+    if fp8_be is not None:
+        print("\n tokens  ours_bf16  ours_fp8  fp8/bf16  fp8 x cmp-floor(fp8)  fp8 x bw-floor")
+        for r in rows:
+            print(f"{r['tokens']:>7} {r.get('ours_mxfp4_us', float('nan')):>10.1f} "
+                  f"{r.get('ours_mxfp4_fp8_us', float('nan')):>9.1f} {r.get('fp8_over_bf16', float('nan')):>9.2f} "
+                  f"{r.get('ours_mxfp4_fp8_x_floor_compute_fp8', float('nan')):>21.2f} "
+                  f"{r.get('ours_mxfp4_fp8_x_floor_bw', float('nan')):>14.2f}")
     print("\n tokens  floor_bw  floor_cmp   ours_mx  x_floor    torch  tk_excl  tk_incl")
     for r in rows:
         print(f"{r['tokens']:>7} {r['floor_bw_us']:>9.1f} {r['floor_compute_us']:>10.1f} "

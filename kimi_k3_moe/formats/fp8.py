@@ -31,11 +31,17 @@ NAN_CODES = (0x7F, 0xFF)
 _MANTISSA_1P75 = 0x600000
 
 
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """float64 2^k for integer k in [-1022, 1023], built from bits: exact on every device (CUDA's
+    torch.ldexp/pow(2, k) is not: one ulp low turned every truncated mantissa below into the next code)."""
+    return ((k.long() + 1023) << 52).view(torch.float64)
+
+
 def e4m3_table(device: torch.device | str = "cpu") -> torch.Tensor:
     """float32 value of each of the 256 codes (NaN at 0x7F and 0xFF)."""
     code = torch.arange(256, dtype=torch.int64, device=device)
     exp, man = (code >> 3) & 15, code & 7
-    normal = torch.ldexp(1.0 + man.double() / 8, (exp - E4M3_BIAS).double())
+    normal = (1.0 + man.double() / 8) * _pow2(exp - E4M3_BIAS)
     subnormal = man.double() * 2.0 ** (E4M3_MIN_NORMAL_EXP - E4M3_MANTISSA_BITS)
     mag = torch.where(exp == 0, subnormal, normal)
     mag = torch.where((code & 0x7F) == 0x7F, torch.full_like(mag, float("nan")), mag)
@@ -55,14 +61,14 @@ def encode(x: torch.Tensor, *, name: str = "x") -> torch.Tensor:
     mag = x.double().abs().clamp(max=E4M3_MAX)
     _, exponent = torch.frexp(mag)                     # mag = f * 2^exponent, f in [0.5, 1)
     e = (exponent - 1).clamp(min=E4M3_MIN_NORMAL_EXP)  # below 2^-6: the subnormal step
-    quantum = torch.ldexp(torch.ones_like(mag), (e - E4M3_MANTISSA_BITS).double())
+    quantum = _pow2(e - E4M3_MANTISSA_BITS)
     rounded = torch.round(mag / quantum) * quantum     # half to even; exact (powers of two)
     _, r_exp = torch.frexp(rounded)
     normal = rounded >= 2.0 ** E4M3_MIN_NORMAL_EXP
     field = torch.where(normal, r_exp - 1 + E4M3_BIAS, torch.zeros_like(r_exp))
-    man = torch.where(normal, torch.ldexp(rounded, (E4M3_MANTISSA_BITS + 1 - r_exp).double()) - 8,
+    man = torch.where(normal, rounded * _pow2(E4M3_MANTISSA_BITS + 1 - r_exp) - 8,
                       rounded * 2.0 ** -(E4M3_MIN_NORMAL_EXP - E4M3_MANTISSA_BITS))
-    code = (field.long() << 3) | man.long()
+    code = (field.long() << 3) | man.round().long()
     return (code | (torch.signbit(x).long() << 7)).to(torch.uint8)
 
 

@@ -116,3 +116,17 @@ def test_mxfp4_activation_rows_use_the_weight_codec(gen):
     assert packed.shape == (5, 64) and scales.shape == (5, 4)
     err = (mxfp4.dequantize(packed, scales) - x.float()).norm() / x.float().norm()
     assert 0.05 < err < 0.2
+
+
+def test_encode_does_not_trust_device_powers_of_two(gen, monkeypatch):
+    """On CUDA torch.ldexp / pow(2, k) can be an ulp off; encode and the code table build their powers
+    of two from bits, so codes and values are the same whatever those functions return (an H200 run
+    of the reference quantizer before this was off by one code almost everywhere)."""
+    x = torch.randn(64, 256, generator=gen) * 10
+    want = fp8.encode(x)
+    table = fp8.e4m3_table()
+    real_ldexp, real_pow = torch.ldexp, torch.pow
+    monkeypatch.setattr(torch, "ldexp", lambda a, e: real_ldexp(a, e) * (1 - 2.0 ** -52))
+    monkeypatch.setattr(torch, "pow", lambda a, e: real_pow(a, e) * (1 - 2.0 ** -52))
+    assert torch.equal(fp8.encode(x), want)
+    assert torch.allclose(fp8.e4m3_table(), table, rtol=0, atol=0, equal_nan=True)

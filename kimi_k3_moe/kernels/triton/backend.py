@@ -10,15 +10,19 @@ in a CUDA graph.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from functools import lru_cache
 
 import torch
 
+from kimi_k3_moe.act_quant import BF16, FP8, check_supported, resolve_act_dtype
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs import triton_table
 from kimi_k3_moe.configs.triton_table import Lookup, MoEConfig
 from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
+from kimi_k3_moe.kernels.triton import fp8_layout
+from kimi_k3_moe.kernels.triton.fp8_layout import Fp8Experts
 from kimi_k3_moe.kernels.triton.layout import INT4, MXFP4, WEIGHT_FORMATS, TritonExperts, from_int4, from_mxfp4
 from kimi_k3_moe.reference import check_routing
 from kimi_k3_moe.formats import int4
@@ -29,8 +33,24 @@ DEFAULT_CHUNK_TOKENS = 16384
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+INTERPRETER_ARCH = "interpreter"
+INTERPRETER_ACT_DTYPES = (BF16, FP8)  # the interpreter runs the fp8 kernels' arithmetic exactly (tests)
+
+
 def interpreter_on() -> bool:
     return os.environ.get(ENV_INTERPRET, "0") == "1"
+
+
+def detect_arch() -> str | None:
+    """"interpreter" under TRITON_INTERPRET=1, else "sm_90" / "gfx942" / ... of the current GPU, else None."""
+    if interpreter_on():
+        return INTERPRETER_ARCH
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if getattr(torch.version, "hip", None):
+        return props.gcnArchName.split(":", 1)[0]
+    return f"sm_{props.major}{props.minor}"
 
 
 class TritonBackend(MoEBackend):
@@ -38,11 +58,14 @@ class TritonBackend(MoEBackend):
 
     def __init__(self, weight_format: str = MXFP4, int4_method: str = int4.DEFAULT_METHOD, *,
                  config: MoEConfig | None = None, decode: str | None = None,
-                 table: dict | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+                 table: dict | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 act_dtype: str = BF16, arch: str | None = None):
         """`config` pins one MoEConfig for every batch (tests, tuner); `decode`
         ("ptx"|"bits") overrides the table's decoder; `table` replaces the
         packaged table; batches above `chunk_tokens` run in chunks (bounds the
-        per-pair buffers)."""
+        per-pair buffers). `act_dtype` "fp8" runs e4m3 activations (sm_89/sm_90+
+        and the interpreter; MXFP4 weights) with the scheme `fp8_moe.ACT_QUANT`;
+        `arch` ("sm_90", "gfx942", ...) defaults to this machine's."""
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"triton backend: weight_format {weight_format!r} not in {WEIGHT_FORMATS}")
         if decode not in (None, *triton_table.DECODES):
@@ -51,6 +74,16 @@ class TritonBackend(MoEBackend):
             raise ValueError(f"triton backend: int4_method {int4_method!r} not in {int4.METHODS}")
         if chunk_tokens < 1:
             raise ValueError(f"triton backend: chunk_tokens must be >= 1, got {chunk_tokens}")
+        from kimi_k3_moe.kernels.triton import act_quant_for, supported_act_dtypes
+        act_dtype = resolve_act_dtype(act_dtype)
+        self.arch = arch if arch is not None else detect_arch()
+        supported = INTERPRETER_ACT_DTYPES if self.arch == INTERPRETER_ARCH else supported_act_dtypes(self.arch)
+        check_supported(self.name, self.arch, act_dtype, supported)
+        if act_dtype == FP8 and weight_format != MXFP4:
+            raise ValueError(f"triton backend: fp8 activations run with MXFP4 weights (e2m1 is exact in e4m3); "
+                             f"weight_format {weight_format!r} has no fp8 kernels")
+        self.act_dtype = act_dtype
+        self.act_quant = act_quant_for(self.arch, act_dtype)
         self.weight_format = weight_format
         self.int4_method = int4_method
         self.config = config
@@ -61,6 +94,8 @@ class TritonBackend(MoEBackend):
     def describe(self) -> str:
         if self.weight_format == INT4:
             return f"{self.name}[int4/{self.int4_method}]"
+        if self.act_quant.quantizes:
+            return f"{self.name}[{self.weight_format}, {self.act_quant.tag()}]"
         return f"{self.name}[{self.weight_format}]"
 
     # -- where it runs --------------------------------------------------
@@ -88,9 +123,14 @@ class TritonBackend(MoEBackend):
         return triton_table.device_key(name), not getattr(torch.version, "hip", None)
 
     # -- weights --------------------------------------------------------
-    def prepare(self, experts) -> TritonExperts:
+    def prepare(self, experts) -> TritonExperts | Fp8Experts:
         """MXFP4 ExpertWeights (converted to int4 when weight_format="int4"), or
-        already converted Int4Experts, -> the kernels' word layout."""
+        already converted Int4Experts, -> the kernels' word layout (Fp8Experts for fp8 activations)."""
+        if self.act_dtype == FP8:
+            return self._prepare_fp8(experts)
+        if isinstance(experts, Fp8Experts):
+            raise ValueError("triton backend: got Fp8Experts but act_dtype is bf16; build the backend with "
+                             "act_dtype='fp8'")
         if isinstance(experts, TritonExperts):
             prepared = experts
         elif isinstance(experts, Int4Experts) and self.weight_format != INT4:
@@ -108,11 +148,33 @@ class TritonBackend(MoEBackend):
             raise ValueError(f"triton backend: prepared experts are {prepared.fmt}, backend is {self.weight_format}")
         return prepared
 
-    def dequantize_prepared(self, prepared: TritonExperts, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare_fp8(self, experts) -> Fp8Experts:
+        if isinstance(experts, Fp8Experts):
+            return experts
+        if not isinstance(experts, ExpertWeights):
+            raise TypeError("triton backend (fp8 activations): prepare() takes MXFP4 ExpertWeights or Fp8Experts, "
+                            f"got {type(experts).__name__}")
+        prepared = fp8_layout.from_mxfp4(*experts.tensors())
+        if prepared.inexact_groups:
+            logging.getLogger(__name__).warning(
+                "fp8 weights: %d groups of 32 lie more than %d binades below their row's largest scale and are "
+                "rounded to e4m3 (not exact); dequantize_prepared returns what the kernels use",
+                prepared.inexact_groups, fp8_layout.EXACT_SHIFTS - 1)
+        return prepared
+
+    def dequantize_prepared(self, prepared, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         return prepared.dequantize(expert)
 
     # -- configs --------------------------------------------------------
-    def lookup(self, prepared: TritonExperts, num_tokens: int) -> Lookup:
+    def lookup(self, prepared, num_tokens: int) -> Lookup:
+        found = self._lookup(prepared, num_tokens)
+        if isinstance(prepared, Fp8Experts):
+            from kimi_k3_moe.kernels.triton.fp8_moe import fp8_config
+            cfg = fp8_config(found.config)
+            found = Lookup(cfg, found.source + (" (fp8)" if cfg == found.config else " (fp8-adjusted)"))
+        return found
+
+    def _lookup(self, prepared, num_tokens: int) -> Lookup:
         dev_key, is_cuda = self._target(prepared.device)
         if self.config is not None:
             found = Lookup(self.config.for_target(is_cuda), "pinned")
@@ -126,20 +188,25 @@ class TritonBackend(MoEBackend):
         return found
 
     # -- running --------------------------------------------------------
-    def plan(self, prepared: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
+    def plan(self, prepared, hidden: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, activation: ActivationSpec, expert_map: torch.Tensor | None,
              out: torch.Tensor):
         """The launches for one chunk (<= chunk_tokens tokens); used by forward and the benchmarks."""
-        from kimi_k3_moe.kernels.triton.moe import plan_moe
         cfg = self.lookup(prepared, hidden.shape[0]).config
+        if isinstance(prepared, Fp8Experts):
+            from kimi_k3_moe.kernels.triton.fp8_moe import plan_moe_fp8
+            return plan_moe_fp8(prepared, hidden, topk_weights, topk_ids, activation, expert_map, out, cfg)
+        from kimi_k3_moe.kernels.triton.moe import plan_moe
         return plan_moe(prepared, hidden, topk_weights, topk_ids, activation, expert_map, out, cfg)
 
     def forward(self, prepared: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, activation: ActivationSpec,
                 expert_map: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out` ([T, H], hidden's dtype), when given, receives the result (every element is written)."""
-        if not isinstance(prepared, TritonExperts):
-            raise TypeError(f"triton backend: forward() needs prepare()'s result, got {type(prepared).__name__}")
+        expected = Fp8Experts if self.act_dtype == FP8 else TritonExperts
+        if not isinstance(prepared, expected):
+            raise TypeError(f"triton backend ({self.act_dtype} activations): forward() needs prepare()'s result "
+                            f"({expected.__name__}), got {type(prepared).__name__}")
         hidden, topk_weights, topk_ids, expert_map = self._check_inputs(
             prepared, hidden, topk_weights, topk_ids, expert_map)
         if out is None:

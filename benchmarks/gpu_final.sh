@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The fp8 / int4-method session on one H200, in two parts (one device call each, the second
+# right after the first while the machine is warm). Every step has its own time limit and a
+# failing step does not stop the next; results are written incrementally into OUT.
+#   bash benchmarks/gpu_final.sh part1 OUT   # fp8: check_gpu (TP8, tokens 1..4096), bench fp8 beside bf16
+#   bash benchmarks/gpu_final.sh part2 OUT   # int4 search/asym check, asym cost, requant load, GPU requant tests
+# OUT holds at most 4 files per part (the device tool brings back 8).
+set -u
+PART=${1:?part1 or part2}
+OUT=${2:?output folder}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+LOG="$OUT/$PART.log"
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "== $name (limit ${secs}s) $(date +%T)" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout -k 5 "$secs" "$@" >> "$LOG" 2>&1
+  echo "== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
+}
+{
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} >> "$LOG" 2>&1
+case "$PART" in
+  part1)
+    step check_fp8 ${CHECK_S:-170} python3 benchmarks/check_gpu.py --sections fp8 \
+        --tokens 1,3,16,64,257,1024,4096 --out "$OUT/check_fp8.json"
+    step bench_fp8 ${BENCH_S:-160} python3 benchmarks/bench_moe.py --formats mxfp4 --peers "" \
+        --act-dtypes bf16,fp8 --fp8-variants 4096,16384 --tokens 1,4,16,64,256,1024,4096,16384 \
+        --out "$OUT/bench_fp8.json"
+    ;;
+  part2)
+    step check_int4_methods ${INT4_S:-100} python3 benchmarks/check_gpu.py --sections int4-methods \
+        --int4-methods search,asym --int4-tokens 3,64 --out "$OUT/check_int4_methods.json"
+    step int4_asym_cost ${ASYM_S:-90} python3 benchmarks/int4_asym_cost.py --backend triton \
+        --tokens 64 256 1024 --repeats 20 --json "$OUT/int4_asym_cost.json"
+    step requant_load ${LOAD_S:-95} python3 benchmarks/requant_load.py --skip-cpu --repeats 1 \
+        --json "$OUT/requant_load.json"
+    step pytest_requant ${PYTEST_S:-50} python3 -m pytest -q -x tests/core/test_requant.py
+    ;;
+  *) echo "unknown part $PART"; exit 2 ;;
+esac
+echo "== done $(date +%T)" | tee -a "$LOG"
