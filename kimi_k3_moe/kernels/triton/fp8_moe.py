@@ -29,20 +29,30 @@ MIN_DOT_K = 32  # e4m3 dots on Hopper take K in steps of 32
 
 
 MAX_ACC_PER_THREAD = 96  # stage 1's two fp32 accumulators above this spill on sm_90 (BM 128 x BN 64, 4 warps)
+# Precise fp8 accumulation (see _details/fp8_kernels._dot8) keeps a partial accumulator
+# beside each fp32 one, so each counts twice against the registers.
+PROMOTED = 2
+MIN_BLOCK_N = 32
 
 
 def fp8_config(config: MoEConfig) -> MoEConfig:
     """A bf16 MoEConfig made valid for the e4m3 kernels: word dots need K/8 >= 32, else one dot in K order;
-    stage 1 (two accumulators) gets more warps where its accumulators alone would fill the registers."""
+    where the accumulators (two in stage 1, each doubled by the precise fp8 accumulation) alone would
+    fill the registers, more warps, then narrower N tiles."""
     if config.path != "aligned":
         return config
 
     def fix(cfg: KernelConfig, accumulators: int) -> KernelConfig:
         if not cfg.interleave and cfg.block_k // 8 < MIN_DOT_K:
             cfg = replace(cfg, interleave=True)
-        while accumulators * config.block_m * cfg.block_n > MAX_ACC_PER_THREAD * 32 * cfg.num_warps \
-                and cfg.num_warps < 8:
+
+        def too_big(c: KernelConfig) -> bool:
+            per_thread = accumulators * PROMOTED * config.block_m * c.block_n / (32 * c.num_warps)
+            return per_thread > MAX_ACC_PER_THREAD
+        while too_big(cfg) and cfg.num_warps < 8:
             cfg = replace(cfg, num_warps=cfg.num_warps * 2)
+        while too_big(cfg) and cfg.block_n > MIN_BLOCK_N:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
         return cfg
     return replace(config, stage1=fix(config.stage1, 2), stage2=fix(config.stage2, 1))
 
