@@ -142,11 +142,13 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
     converted = requantize_experts(experts, progress=False)
     prepared["int4"] = backends["int4"].prepare(converted)  # the pre-converted Int4Experts route
     offsets = Int4Experts(
-        Int4Weights(converted.w13.packed, converted.w13.scales, "amax-offset-test",
+        Int4Weights(converted.w13.packed, converted.w13.scales, "asym",
                     (torch.randn(converted.w13.scales.shape, device=dev, generator=gen) * 0.01).bfloat16()),
-        Int4Weights(converted.w2.packed, converted.w2.scales, "amax-offset-test",
+        Int4Weights(converted.w2.packed, converted.w2.scales, "asym",
                     (torch.randn(converted.w2.scales.shape, device=dev, generator=gen) * 0.01).bfloat16()))
-    prepared["int4+offsets"] = backends["int4"].prepare(offsets)
+    # random offsets on the search codes: a layout test, labelled "asym" since the
+    # backend takes pre-converted experts of its own method only
+    prepared["int4+offsets"] = get_backend("triton", weight_format="int4", int4_method="asym").prepare(offsets)
     del converted, offsets
     log("prepared", {k: f"{v.nbytes / 1e9:.2f} GB" for k, v in prepared.items()})
 
