@@ -4,6 +4,9 @@
 # failing step does not stop the next; results are written incrementally into OUT.
 #   bash benchmarks/gpu_final.sh part1 OUT   # fp8: check_gpu (TP8, tokens 1..4096), bench fp8 beside bf16
 #   bash benchmarks/gpu_final.sh part2 OUT   # int4 search/asym check, asym cost, requant load, GPU requant tests
+#   bash benchmarks/gpu_final.sh recheck OUT # after a kernel change: bf16 checks (both formats), int4 methods,
+#                                            # the load-time self-check
+#   bash benchmarks/gpu_final.sh int4bench OUT # asym cost and the MXFP4 / int4 timings
 # OUT holds at most 4 files per part (the device tool brings back 8).
 set -u
 PART=${1:?part1 or part2}
@@ -39,6 +42,19 @@ case "$PART" in
     step requant_load ${LOAD_S:-95} python3 benchmarks/requant_load.py --skip-cpu --repeats 1 \
         --json "$OUT/requant_load.json"
     step pytest_requant ${PYTEST_S:-50} python3 -m pytest -q -x tests/core/test_requant.py
+    ;;
+  recheck)
+    step check_bf16 ${CHECK_S:-240} python3 benchmarks/check_gpu.py --sections bf16 \
+        --tokens 1,3,16,64,257,1024,4096 --out "$OUT/check_bf16.json"
+    step check_int4_methods ${INT4_S:-100} python3 benchmarks/check_gpu.py --sections int4-methods \
+        --int4-methods search,asym --int4-tokens 3,64,1024 --out "$OUT/check_int4_methods.json"
+    step self_check ${SELF_S:-120} python3 benchmarks/self_check_gpu.py --json "$OUT/self_check.json"
+    ;;
+  int4bench)
+    step int4_asym_cost ${ASYM_S:-120} python3 benchmarks/int4_asym_cost.py --backend triton \
+        --tokens 64 256 1024 --repeats 20 --json "$OUT/int4_asym_cost.json"
+    step bench_formats ${BENCH_S:-240} python3 benchmarks/bench_moe.py --formats mxfp4,int4 --peers "" \
+        --tokens 1,4,16,64,256,1024,4096,16384 --out "$OUT/bench_formats.json"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

@@ -48,10 +48,10 @@ def _float_to_bf16(x: float) -> int:
     return torch.tensor([x], dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
 
 
-def run_ptx(asm: str, word: int, scale_pair: int = 0) -> list[int]:
-    """Execute the subset of PTX the decoders use on one word ($8) and a bf16x2 scale pair ($9);
-    returns the eight 16-bit outputs $0..$7."""
-    regs = {"$8": word & 0xFFFFFFFF, "$9": scale_pair & 0xFFFFFFFF}
+def run_ptx(asm: str, word: int, scale_pair: int = 0, offset_pair: int = 0) -> list[int]:
+    """Execute the subset of PTX the decoders use on one word ($8), a bf16x2 scale pair ($9) and
+    a bf16x2 offset pair ($10, int4 only); returns the eight 16-bit outputs $0..$7."""
+    regs = {"$8": word & 0xFFFFFFFF, "$9": scale_pair & 0xFFFFFFFF, "$10": offset_pair & 0xFFFFFFFF}
     written = set()
 
     def val(tok):
@@ -92,29 +92,52 @@ def run_ptx(asm: str, word: int, scale_pair: int = 0) -> list[int]:
                 r |= _float_to_bf16(exact) << half
         else:
             raise AssertionError(f"emulator lacks {op}")
-        assert d not in ("$8", "$9"), "the decoder writes an input register"
+        assert d not in ("$8", "$9", "$10"), "the decoder writes an input register"
         regs[d] = r & 0xFFFFFFFF
     return [regs[f"${i}"] for i in range(8)]
 
 
-@pytest.mark.parametrize("fmt", layout.WEIGHT_FORMATS)
-def test_ptx_decoders_give_every_code_exactly(fmt, gen):
-    asm = (decode.E2M1_WORD_PTX if fmt == "mxfp4" else decode.INT4_WORD_PTX).value
+def _pair(bits: int) -> int:
+    return bits | (bits << 16)
+
+
+def test_ptx_mxfp4_decoder_gives_every_code_exactly(gen):
     codes = torch.cat([torch.arange(16, dtype=torch.uint8).repeat_interleave(8).reshape(16, 8),
                        torch.randint(0, 16, (48, 8), generator=gen, dtype=torch.uint8)])
-    words = layout._words_from_codes(codes, fmt).view(torch.int32).reshape(-1)
+    words = layout._words_from_codes(codes, "mxfp4").view(torch.int32).reshape(-1)
     scale_bytes = torch.cat([torch.tensor([0, 1, 127, 252]), torch.randint(100, 140, (60,), generator=gen)])
     for word, row, b in zip(words.tolist(), codes, scale_bytes.tolist()):
         half = 0x40 if b == 0 else b << 7  # what load_weight_words passes in $9
-        out = run_ptx(asm, word, half | (half << 16))
-        got = [_bf16_to_float(v) for v in out]
-        if fmt == "mxfp4":
-            scale = mxfp4.e8m0_to_float(torch.tensor([b], dtype=torch.uint8)).double()
-            want = (mxfp4.e2m1_table()[row.long()].double() * scale).bfloat16().double().tolist()
-        else:
-            want = int4.unpack_signed(mxfp4.pack_nibbles(row)).double().tolist()
-        assert got == want, (fmt, hex(word & 0xFFFFFFFF), b, got, want)
+        got = [_bf16_to_float(v) for v in run_ptx(decode.E2M1_WORD_PTX.value, word, _pair(half))]
+        scale = mxfp4.e8m0_to_float(torch.tensor([b], dtype=torch.uint8)).double()
+        want = (mxfp4.e2m1_table()[row.long()].double() * scale).bfloat16().double().tolist()
+        assert got == want, (hex(word & 0xFFFFFFFF), b, got, want)
         assert all(math.copysign(1, g) == math.copysign(1, w) for g, w in zip(got, want) if g == 0)
+
+
+@pytest.mark.parametrize("asym", [False, True], ids=["symmetric", "offsets"])
+def test_ptx_int4_decoder_scales_every_code_with_one_rounding(asym, gen):
+    """q * s (+ o) rounded once to bf16; symmetric (offset -0.0) equals the fp32 path bit for bit."""
+    codes = torch.cat([torch.arange(16, dtype=torch.uint8).repeat_interleave(8).reshape(16, 8),
+                       torch.randint(0, 16, (112, 8), generator=gen, dtype=torch.uint8)])
+    words = layout._words_from_codes(codes, "int4").view(torch.int32).reshape(-1)
+    # scales with full mantissas (q * s then needs rounding), both signs (`search` picks negative
+    # scales to reach the -8 code), zeros, a subnormal
+    scales = torch.cat([torch.tensor([0.0, 1e-39, 1.0, -0.0]), torch.randn(124, generator=gen) * 3e-3]).bfloat16()
+    offsets = (torch.randn(128, generator=gen) * 1e-2).bfloat16() if asym else None
+    neg_zero = 0x8000
+    for i, (word, row) in enumerate(zip(words.tolist(), codes)):
+        s_bits = scales[i:i + 1].view(torch.int16).item() & 0xFFFF
+        o_bits = offsets[i:i + 1].view(torch.int16).item() & 0xFFFF if asym else neg_zero
+        got = [_bf16_to_float(v) for v in run_ptx(decode.INT4_WORD_PTX.value, word, _pair(s_bits), _pair(o_bits))]
+        q = int4.unpack_signed(mxfp4.pack_nibbles(row)).double()
+        exact = q * scales[i].double() + (offsets[i].double() if asym else 0.0)
+        want = exact.bfloat16().double().tolist()
+        assert got == want, (hex(word & 0xFFFFFFFF), scales[i].item(), got, want)
+        if not asym:  # the DECODE_BITS path: fp32 q * s, then bf16
+            fp32_path = (q.float() * scales[i].float()).bfloat16().double().tolist()
+            assert got == fp32_path
+            assert all(math.copysign(1, g) == math.copysign(1, w) for g, w in zip(got, fp32_path) if g == 0)
 
 
 def test_prepared_experts_decode_to_their_source(gen):

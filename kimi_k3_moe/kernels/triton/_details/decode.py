@@ -27,6 +27,8 @@ FMT_MXFP4 = tl.constexpr(C.FMT_MXFP4)
 FMT_INT4 = tl.constexpr(C.FMT_INT4)
 DECODE_BITS = tl.constexpr(C.DECODE_BITS)
 DECODE_PTX = tl.constexpr(C.DECODE_PTX)
+# bf16x2 -0.0: adding it leaves q * s (rounded once) as it is, signed zeros included
+NEG_ZERO_PAIR = tl.constexpr(-2147450880)  # 0x80008000 as int32
 
 # One 32-bit word of the word layout ($8) -> eight bf16 outputs $0..$7 = v0..v7.
 # tests/triton/test_layout.py runs these strings through a small PTX emulator.
@@ -70,7 +72,9 @@ E2M1_WORD_PTX = tl.constexpr("""
         }
         """)
 # int4: nibble n of a pair -> bf16 0x4300 | (n ^ 8) = 136 + q exactly; an FMA
-# subtracts 136, leaving q in [-8, 7] (scale and offset follow in fp32).
+# subtracts 136, leaving q in [-8, 7] exactly; a second bf16x2 FMA by the scale
+# pair ($9) plus the offset pair ($10; -0.0 when symmetric) rounds once, as the
+# fp32 path's q * s does (q * s is exact in fp32), at half an instruction per weight.
 INT4_WORD_PTX = tl.constexpr("""
         {
         .reg .b32 a, b, c, d, one, off;
@@ -91,6 +95,10 @@ INT4_WORD_PTX = tl.constexpr("""
         fma.rn.bf16x2 b, b, one, off;
         fma.rn.bf16x2 c, c, one, off;
         fma.rn.bf16x2 d, d, one, off;
+        fma.rn.bf16x2 a, a, $9, $10;
+        fma.rn.bf16x2 b, b, $9, $10;
+        fma.rn.bf16x2 c, c, $9, $10;
+        fma.rn.bf16x2 d, d, $9, $10;
         mov.b32 {$0, $1}, a;
         mov.b32 {$2, $3}, b;
         mov.b32 {$4, $5}, c;
@@ -146,10 +154,18 @@ def _ptx_e2m1_word(w, scale_pair):
 
 
 @triton.jit
-def _ptx_int4_word(w):
+def _ptx_int4_word(w, scale_pair, offset_pair):
+    # scale_pair / offset_pair: int32, the word's bf16 scale / offset in both halves
     return tl.inline_asm_elementwise(
-        asm=INT4_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[w],
+        asm=INT4_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", args=[w, scale_pair, offset_pair],
         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_pair(t):
+    # bf16 tensor -> int32 holding its bits in both halves (a bf16x2 operand)
+    b = t.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
 
 
 @triton.jit
@@ -210,20 +226,24 @@ def decode_weight_raw(w, s, o, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DEC
             v5 = to_bf16(_e2m1_at(w, 22, 30) * sw)
             v6 = to_bf16(_e2m1_at(w, 9, 15) * sw)
             v7 = to_bf16(_e2m1_at(w, 25, 31) * sw)
+    elif DECODE == DECODE_PTX:
+        sp = _group_broadcast(_bf16_pair(s), BLOCK_N, GROUPS, 4)
+        if HAS_OFFSETS:
+            op = _group_broadcast(_bf16_pair(o), BLOCK_N, GROUPS, 4)
+        else:
+            op = sp * 0 + NEG_ZERO_PAIR
+        v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_int4_word(w, sp, op)
     else:
         sw = _group_broadcast(s.to(tl.float32), BLOCK_N, GROUPS, 4)
         ow = _group_broadcast(o.to(tl.float32), BLOCK_N, GROUPS, 4)
-        if DECODE == DECODE_PTX:
-            q0, q1, q2, q3, q4, q5, q6, q7 = _ptx_int4_word(w)
-        else:
-            q0 = _int4_at(w, 0)
-            q1 = _int4_at(w, 16)
-            q2 = _int4_at(w, 4)
-            q3 = _int4_at(w, 20)
-            q4 = _int4_at(w, 8)
-            q5 = _int4_at(w, 24)
-            q6 = _int4_at(w, 12)
-            q7 = _int4_at(w, 28)
+        q0 = _int4_at(w, 0)
+        q1 = _int4_at(w, 16)
+        q2 = _int4_at(w, 4)
+        q3 = _int4_at(w, 20)
+        q4 = _int4_at(w, 8)
+        q5 = _int4_at(w, 24)
+        q6 = _int4_at(w, 12)
+        q7 = _int4_at(w, 28)
         v0 = _scaled(q0, sw, ow, HAS_OFFSETS)
         v1 = _scaled(q1, sw, ow, HAS_OFFSETS)
         v2 = _scaled(q2, sw, ow, HAS_OFFSETS)
