@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_final.sh recheck OUT # after a kernel change: bf16 checks (both formats), int4 methods,
 #                                            # the load-time self-check
 #   bash benchmarks/gpu_final.sh int4bench OUT # asym cost and the MXFP4 / int4 timings
+#   bash benchmarks/gpu_final.sh tp16 OUT    # retune the TP16 MXFP4 entry in full, check TP16 on it
 # OUT holds at most 4 files per part (the device tool brings back 8).
 set -u
 PART=${1:?part1 or part2}
@@ -55,6 +56,13 @@ case "$PART" in
         --tokens 64 256 1024 --repeats 20 --json "$OUT/int4_asym_cost.json"
     step bench_formats ${BENCH_S:-240} python3 benchmarks/bench_moe.py --formats mxfp4,int4 --peers "" \
         --tokens 1,4,16,64,256,1024,4096,16384 --out "$OUT/bench_formats.json"
+    ;;
+  tp16)
+    step tune_tp16 ${TUNE_S:-200} python3 benchmarks/tune_triton.py --shapes tp16 --formats mxfp4 \
+        --budget-s 150 --merge --log "$OUT/tune_tp16_log.json"
+    cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
+    step check_tp16 ${CHECK_S:-150} python3 benchmarks/check_gpu.py --sections bf16 --shape tp16 \
+        --tokens 1,16,257,1024,4096 --out "$OUT/check_tp16.json"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
