@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The fp8 / int4-method session on one H200, in two parts (one device call each, the second
-# right after the first while the machine is warm). Every step has its own time limit and a
+# The H200 sessions after the first suite (gpu_suite.sh), in parts of one device call each,
+# run back to back while the machine is warm. Every step has its own time limit and a
 # failing step does not stop the next; results are written incrementally into OUT.
 #   bash benchmarks/gpu_final.sh part1 OUT   # fp8: check_gpu (TP8, tokens 1..4096), bench fp8 beside bf16
 #   bash benchmarks/gpu_final.sh part2 OUT   # int4 search/asym check, asym cost, requant load, GPU requant tests

@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+import _common  # noqa: F401  (puts the repository on sys.path, as for the other benchmarks)
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice, detect_platform, plan_backends
 from kimi_k3_moe.formats import mxfp4
