@@ -8,6 +8,8 @@
 #                                            # the load-time self-check
 #   bash benchmarks/gpu_final.sh int4bench OUT # asym cost and the MXFP4 / int4 timings
 #   bash benchmarks/gpu_final.sh tp16 OUT    # retune the TP16 MXFP4 entry in full, check TP16 on it
+#   bash benchmarks/gpu_final.sh retune_tp8 OUT # retune TP8 MXFP4 at 16-1024 tokens (candidate list grown),
+#                                            # check TP8, time ours and the triton_kernels peer (PEER_PATH)
 # OUT holds at most 4 files per part (the device tool brings back 8).
 set -u
 PART=${1:?part1 or part2}
@@ -63,6 +65,17 @@ case "$PART" in
     cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
     step check_tp16 ${CHECK_S:-150} python3 benchmarks/check_gpu.py --sections bf16 --shape tp16 \
         --tokens 1,16,257,1024,4096 --out "$OUT/check_tp16.json"
+    ;;
+  retune_tp8)
+    step tune_tp8 ${TUNE_S:-200} python3 benchmarks/tune_triton.py --shapes tp8 --formats mxfp4 \
+        --tiers 16,64,256,1024 --budget-s 170 --merge --log "$OUT/tune_tp8_log.json"
+    cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
+    step check_tp8 ${CHECK_S:-200} python3 benchmarks/check_gpu.py --sections bf16 \
+        --tokens 1,3,16,64,257,1024,4096 --out "$OUT/check_bf16.json"
+    step bench_ours ${BENCH_S:-150} python3 benchmarks/bench_moe.py --formats mxfp4,int4 --peers torch \
+        --out "$OUT/bench_moe.json"
+    step bench_peer ${PEER_S:-120} python3 benchmarks/bench_moe.py --formats "" --peers triton_kernels \
+        --peer-path "${PEER_PATH:-.peer}" --out "$OUT/bench_peer.json"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

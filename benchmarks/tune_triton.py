@@ -43,7 +43,9 @@ GEMV_S1 = [(16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 512, 4, 1)]
 GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
 # most promising first: the secondary entries try only the first QUICK of each list
 ALIGNED_S1 = [(64, 256, 4, 3, False), (128, 64, 8, 4, True), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
-              (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True)]
+              (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
+              # two stages: less shared memory per CTA, so more CTAs per SM on the latency-bound sizes
+              (64, 256, 4, 2, False), (64, 128, 4, 2, False), (128, 128, 8, 2, False)]
 ALIGNED_S2 = [(128, 64, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
               (128, 128, 8, 3, True), (128, 128, 4, 4, False), (64, 128, 4, 3, False)]
 QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
@@ -280,9 +282,12 @@ def main() -> int:
         t0 = time.time()
         errors = [e for e in job.get() if e]
         log(f"{entry.key}: candidates compiled (waited {time.time() - t0:.1f} s, {len(errors)} errors)")
-        def save(chosen, key=entry.key):
-            # partial progress: tuned tiers so far, the heuristic for the rest (marked)
-            tiers_now = dict(chosen)
+        # with --merge, tiers not tuned now keep the table's entries
+        kept = dict(table["entries"].get(entry.key, {}).get("tiers", {}))
+
+        def save(chosen, key=entry.key, kept=kept):
+            # partial progress: tuned tiers so far, then the kept ones, the heuristic for the rest (marked)
+            tiers_now = {**kept, **chosen}
             for t in tiers:
                 if str(t) not in tiers_now:
                     cfg = tt.heuristic_config(SHAPES[entry.shape_name]["hidden"], SHAPES[entry.shape_name]["inter"],
@@ -291,8 +296,8 @@ def main() -> int:
             table["entries"][key] = {"tiers": tiers_now}
             write_json(out_path, table)
             write_json(args.log, rows)
-        table["entries"][entry.key] = tune_entry(entry, tiers, deadline, timer, gen, args.reps, rows, save)
-        table["entries"][entry.key]["seconds"] = round(time.time() - t0, 1)
+        tuned = tune_entry(entry, tiers, deadline, timer, gen, args.reps, rows, save)
+        table["entries"][entry.key] = {"tiers": {**kept, **tuned["tiers"]}, "seconds": round(time.time() - t0, 1)}
         write_json(out_path, table)
         write_json(args.log, rows)
     pool.terminate()
