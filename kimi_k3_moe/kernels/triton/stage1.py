@@ -18,8 +18,6 @@ from kimi_k3_moe.kernels.triton.launch import Launch, cdiv
 from kimi_k3_moe.kernels.triton.layout import MXFP4, TritonExperts
 
 DECODE_CODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
-# K steps the small-batch kernels load ahead of their arithmetic (1 or 2)
-GEMV_AHEAD = 2
 
 
 def activation_args(activation: ActivationSpec) -> dict:
@@ -86,6 +84,6 @@ def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Te
                 ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
                 TOPK=topk, HAS_MAP=expert_map is not None, DECODE=DECODE_CODES[decode],
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k, AHEAD=GEMV_AHEAD)
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k)
     grid = (num_pairs, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_gemv_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.gemv")

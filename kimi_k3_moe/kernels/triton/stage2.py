@@ -10,7 +10,7 @@ from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_ke
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.kernels.triton.stage1 import DECODE_CODES, GEMV_AHEAD, weight_args
+from kimi_k3_moe.kernels.triton.stage1 import DECODE_CODES, weight_args
 
 REDUCE_BLOCK = 512
 
@@ -48,5 +48,5 @@ def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Ten
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
         topk_w_ptr=topk_weights.reshape(-1), hidden=hidden, inter_size=experts.intermediate_size,
         TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
-        DECODE=DECODE_CODES[decode], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, AHEAD=GEMV_AHEAD),
+        DECODE=DECODE_CODES[decode], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
         cfg.num_warps, cfg.num_stages, "stage2.gemv")]

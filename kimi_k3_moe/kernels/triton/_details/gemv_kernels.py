@@ -46,7 +46,7 @@ def stage1_gemv_kernel(
     beta, linear_beta,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     ACT: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    OUT_BLOCK_K: tl.constexpr, AHEAD: tl.constexpr,
+    OUT_BLOCK_K: tl.constexpr,
 ):
     """inter[pair, n] = act(gate . x, up . x) for one (token, slot) pair and BLOCK_N columns.
 
@@ -70,25 +70,17 @@ def stage1_gemv_kernel(
     cw = tl.arange(0, BLOCK_K // 8)
     x_words = x_ptr + tok * stride_xm + cw[None, :]
     acc = tl.zeros((2 * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    # loads run AHEAD (1 or 2) K steps ahead of the arithmetic (these loads feed no dot,
-    # so the compiler's pipeliner leaves them alone; this keeps AHEAD + 1 steps of bytes
-    # in flight). Steps past the last re-read the last tile (an L2 hit) instead of masking.
+    # loads run one K step ahead of the arithmetic (these loads feed no dot, so the
+    # compiler's pipeliner leaves them alone; this keeps two steps of bytes in flight).
+    # The step after the last re-reads the last tile (an L2 hit) instead of masking.
     w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, 0, mask_r, FMT, HAS_OFFSETS, BLOCK_K)
-    w1, s1, o1 = w, s, o
-    if AHEAD == 2:
-        w1, s1, o1 = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, tl.minimum(BLOCK_K, hidden - BLOCK_K),
-                                     mask_r, FMT, HAS_OFFSETS, BLOCK_K)
     for k0 in range(0, hidden, BLOCK_K):
-        k_next = tl.minimum(k0 + AHEAD * BLOCK_K, hidden - BLOCK_K)
+        k_next = tl.minimum(k0 + BLOCK_K, hidden - BLOCK_K)
         w_next, s_next, o_next = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k_next, mask_r,
                                                  FMT, HAS_OFFSETS, BLOCK_K)
         v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, 2 * BLOCK_N, BLOCK_K)
         acc = _fma_words(acc, x_words + k0, cw[None, :] >= 0, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
-        if AHEAD == 2:
-            w, s, o = w1, s1, o1
-            w1, s1, o1 = w_next, s_next, o_next
-        else:
-            w, s, o = w_next, s_next, o_next
+        w, s, o = w_next, s_next, o_next
     gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
     h = apply_activation(gate, up, beta, linear_beta, ACT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,7 +103,6 @@ def stage2_gemv_kernel(
     hidden, inter_size,
     TOPK: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    AHEAD: tl.constexpr,
 ):
     """out[t, n] = sum over slots of router_weight * (W2_e[n] . inter[pair]), fp32, fixed order.
 
@@ -136,22 +127,14 @@ def stage2_gemv_kernel(
     x_mask = here[:, None] & (cw[None, :] >= 0)
     acc = tl.zeros((SLOTS * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, 0, here[:, None], FMT, HAS_OFFSETS, BLOCK_K)
-    w1, s1, o1 = w, s, o
-    if AHEAD == 2:  # as in stage 1
-        w1, s1, o1 = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, tl.minimum(BLOCK_K, inter_size - BLOCK_K),
-                                     here[:, None], FMT, HAS_OFFSETS, BLOCK_K)
     for k0 in range(0, inter_size, BLOCK_K):
-        k_next = tl.minimum(k0 + AHEAD * BLOCK_K, inter_size - BLOCK_K)
+        k_next = tl.minimum(k0 + BLOCK_K, inter_size - BLOCK_K)
         w_next, s_next, o_next = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k_next, here[:, None],
                                                  FMT, HAS_OFFSETS, BLOCK_K)
         v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE,
                                                            SLOTS * BLOCK_N, BLOCK_K)
         acc = _fma_words(acc, x_words + k0, x_mask, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
-        if AHEAD == 2:
-            w, s, o = w1, s1, o1
-            w1, s1, o1 = w_next, s_next, o_next
-        else:
-            w, s, o = w_next, s_next, o_next
+        w, s, o = w_next, s_next, o_next
     gate = tl.load(topk_w_ptr + pair, mask=slot < TOPK, other=0.0).to(tl.float32)
     per_row = tl.where(here, tl.sum(acc, axis=1) * gate, 0.0)
     total = tl.sum(tl.reshape(per_row, (SLOTS, BLOCK_N)), axis=0)
