@@ -33,17 +33,25 @@ MAX_ACC_PER_THREAD = 96  # stage 1's two fp32 accumulators above this spill on s
 # beside each fp32 one, so each counts twice against the registers.
 PROMOTED = 2
 MIN_BLOCK_N = 32
+# row blocks where stage 1 takes one K-order dot instead of eight word dots: with 64 rows, on
+# the H200 at 4096 and 16384 tokens, 24-25 % faster with the e4m3 operands
+# (benchmarks/results/h200-2026-11-29-retune/bench_fp8.json, variant "s1-one-dot"); with 128
+# rows the one dot needs 255 registers and spills on sm_90
+ONE_DOT_BLOCK_MS = (64,)
 
 
 def fp8_config(config: MoEConfig) -> MoEConfig:
-    """A bf16 MoEConfig made valid for the e4m3 kernels: word dots need K/8 >= 32, else one dot in K order;
-    where the accumulators (two in stage 1, each doubled by the precise fp8 accumulation) alone would
-    fill the registers, more warps, then narrower N tiles."""
+    """A bf16 MoEConfig made valid for the e4m3 kernels: word dots need K/8 >= 32, else one dot in K order
+    (stage 1 also takes one dot in ONE_DOT_BLOCK_MS row blocks); where the accumulators (two in
+    stage 1, each doubled by the precise fp8 accumulation) alone would fill the registers, more warps,
+    then narrower N tiles."""
     if config.path != "aligned":
         return config
 
     def fix(cfg: KernelConfig, accumulators: int) -> KernelConfig:
         if not cfg.interleave and cfg.block_k // 8 < MIN_DOT_K:
+            cfg = replace(cfg, interleave=True)
+        if accumulators == 2 and config.block_m in ONE_DOT_BLOCK_MS:
             cfg = replace(cfg, interleave=True)
 
         def too_big(c: KernelConfig) -> bool:
