@@ -95,10 +95,13 @@ def test_forward_matches_the_float64_reference(served):
     """The whole block through vLLM's runner, against our float64 block (router included)."""
     import vllm_k3 as k3
 
-    checkpoint, config, _, x, out, *_ = served
+    checkpoint, config, block, x, out, recorder, *_ = served
+    recorder.calls.clear()
+    assert torch.equal(k3.forward(block, config, x), out)
+    (call,) = recorder.calls
     eps = config.model_config.hf_text_config.rms_norm_eps
-    expected = k3.block_reference(checkpoint, x, SITU, SITU, eps)
-    with_silu = k3.block_reference(checkpoint, x, SILU, SITU, eps)
+    expected = k3.block_reference(checkpoint, x, SITU, SITU, eps, engine_ids=call["topk_ids"])
+    with_silu = k3.block_reference(checkpoint, x, SILU, SITU, eps, engine_ids=call["topk_ids"])
     assert k3.rel_l2(out, expected) <= 1e-2
     assert k3.rel_l2(out, with_silu) > 5e-2
 

@@ -202,17 +202,42 @@ def routed_reference(experts, x, topk_weights, topk_ids, activation, expert_map=
                      expert_map, compute_dtype=torch.float64).double()
 
 
-def block_reference(checkpoint: Path, x: torch.Tensor, routed_activation, shared_activation, eps: float):
+# Selection-score gap within which vLLM's router and the float64 one may pick different
+# experts: a pair 2e-4 apart was picked differently on CPU (test seed 864151496); vLLM's
+# router arithmetic is its own and not mirrored here. Wider gaps must agree.
+ROUTING_TIE = 5e-3
+
+
+def engine_routing_checked(selection: torch.Tensor, engine_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The engine's expert ids, after checking that each token's set differs from the float64
+    top-k only by experts whose selection score ties the k-th best within ROUTING_TIE."""
+    ours = selection.topk(k, -1).indices
+    for row in range(selection.shape[0]):
+        differ = set(ours[row].tolist()) ^ set(engine_ids[row].tolist())
+        kth = selection[row].sort(descending=True).values[k - 1]
+        for e in differ:
+            gap = abs(float(selection[row, e] - kth))
+            assert gap <= ROUTING_TIE, (f"token {row}: the engine's experts {sorted(engine_ids[row].tolist())} "
+                                        f"differ from float64's {sorted(ours[row].tolist())} at expert {e}, "
+                                        f"{gap:.3g} from the k-th selection score (tie bound {ROUTING_TIE})")
+    return engine_ids.long()
+
+
+def block_reference(checkpoint: Path, x: torch.Tensor, routed_activation, shared_activation, eps: float,
+                    engine_ids: torch.Tensor | None = None):
     """The whole K3 MoE block in float64: router, latent down-projection, routed experts
-    (our reference), RMSNorm, up-projection, plus the shared experts."""
+    (our reference), RMSNorm, up-projection, plus the shared experts. With `engine_ids` (the
+    experts vLLM's router picked) those are used where they differ from ours at a near-tie."""
     t = checkpoint_tensors(checkpoint)
     p = f"{CHECKPOINT_PREFIX}layers.{LAYER}.block_sparse_moe."
     xd = x.double()
-    # The gate runs in fp32 (GateLinear out_dtype) in vLLM; selection near a tie
-    # must agree with it, so the logits are fp32 and the rest float64.
+    # The gate runs in fp32 (GateLinear out_dtype) in vLLM, so the logits are fp32 and the
+    # rest float64.
     logits = (x.float() @ t[p + "gate.weight"].float().T).double()
     scores = logits.sigmoid()
-    ids = (scores + t[p + "gate.e_score_correction_bias"].double()).topk(SHAPE["num_experts_per_token"], -1).indices
+    selection = scores + t[p + "gate.e_score_correction_bias"].double()
+    k = SHAPE["num_experts_per_token"]
+    ids = selection.topk(k, -1).indices if engine_ids is None else engine_routing_checked(selection, engine_ids, k)
     weights = scores.gather(1, ids)
     weights = weights / weights.sum(-1, keepdim=True)
     latent = xd @ t[p + "routed_expert_down_proj.weight"].double().T
