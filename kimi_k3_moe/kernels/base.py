@@ -91,6 +91,27 @@ class ExpertWeights:
                 mxfp4.dequantize(self.w2_packed[expert], self.w2_scale[expert], name=f"w2[{expert}]"))
 
 
+class PackedExpertShapes:
+    """Shape properties of a backend's prepared experts whose `w13` field holds 4-bit codes
+    [E, 2I, H/2] (gate rows first), two per byte."""
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2] * 2
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w13.shape[1] // 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+
 class BackendUnavailable(RuntimeError):
     """A backend was asked for where it cannot run; the message says why."""
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from kimi_k3_moe.formats import int4, mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.kernels.base import ExpertWeights, PackedExpertShapes
 from kimi_k3_moe.weights.requant import Int4Experts
 
 
 @dataclass
-class FlyDSLExperts:
+class FlyDSLExperts(PackedExpertShapes):
     weight_format: str            # "mxfp4" | "int4"
     w13: torch.Tensor
     w13_scale: torch.Tensor
@@ -71,24 +71,8 @@ class FlyDSLExperts:
 
     # ------------------------------------------------------------------ shape
     @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13.shape[2] * 2
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
     def has_offsets(self) -> bool:
         return self.w13_offset is not None
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.device
 
     def tensors(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scales, offsets) of "w13" or "w2", flat as the kernels take them.

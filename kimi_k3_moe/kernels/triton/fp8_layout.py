@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kimi_k3_moe.formats import fp8, mxfp4
+from kimi_k3_moe.kernels.base import PackedExpertShapes
 
 WORD = 8
 SHIFT_BITS = 6            # the e4m3 operand is e2m1 * 2^(6 - d)
@@ -118,7 +119,7 @@ def _convert(packed: torch.Tensor, scales: torch.Tensor, chunk_bytes: int = 64 <
 
 
 @dataclass
-class Fp8Experts:
+class Fp8Experts(PackedExpertShapes):
     """A layer's MXFP4 experts for the fp8-activation kernels.
 
     w13 [E, 2I, H/2] and w2 [E, H, I/2]: codes in the fp8 word layout;
@@ -153,22 +154,6 @@ class Fp8Experts:
                                  f"{tuple(codes.shape[:-1])}")
         if self.lut.dtype != torch.int32 or tuple(self.lut.shape) != (LUT_ROWS, 2):
             raise ValueError(f"Fp8Experts.lut must be int32 [{LUT_ROWS}, 2]")
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13.shape[2] * 2
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.device
 
     @property
     def nbytes(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kimi_k3_moe.formats import int4, mxfp4
+from kimi_k3_moe.kernels.base import PackedExpertShapes
 
 MXFP4 = "mxfp4"
 INT4 = "int4"
@@ -95,7 +96,7 @@ def _check_fmt(fmt: str) -> None:
 
 
 @dataclass
-class TritonExperts:
+class TritonExperts(PackedExpertShapes):
     """A layer's experts as the Triton kernels read them.
 
     w13 [E, 2I, H/2] (gate rows first) and w2 [E, H, I/2] hold codes in the
@@ -134,24 +135,8 @@ class TritonExperts:
             raise ValueError("int4 offsets must be given for both w13 and w2 or for neither")
 
     @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13.shape[2] * 2
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
     def has_offsets(self) -> bool:
         return self.w13_offset is not None
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.device
 
     @property
     def nbytes(self) -> int:
