@@ -21,8 +21,7 @@ from kimi_k3_moe.kernels.triton.alignment import AlignedPairs, align_launches
 from kimi_k3_moe.kernels.triton.fp8_layout import Fp8Experts
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.triton.stage1 import DECODE_CODES, activation_args
-from kimi_k3_moe.kernels.triton.stage2 import REDUCE_BLOCK
-from kimi_k3_moe.kernels.triton._details.matmul_kernels import topk_reduce_kernel
+from kimi_k3_moe.kernels.triton.stage2 import topk_reduce
 
 ACT_QUANT = ActQuant(FP8, hidden=TOKEN, inter=TOKEN)
 MIN_DOT_K = 32  # e4m3 dots on Hopper take K in steps of 32
@@ -134,11 +133,7 @@ def _stage2_aligned(experts, a, a_scale, pairs: AlignedPairs, topk_weights, out,
         DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
         BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
         cfg.num_warps, cfg.num_stages, "fp8.stage2.aligned")
-    block = min(REDUCE_BLOCK, next_pow2(hidden))
-    reduce = Launch(topk_reduce_kernel, (out.shape[0], cdiv(hidden, block)), dict(
-        y_ptr=y, stride_ym=y.stride(0), local_ptr=pairs.local, out_ptr=out, stride_om=out.stride(0),
-        hidden=hidden, TOPK=topk, BLOCK_N=block), 4, 1, "stage2.reduce")
-    return [matmul, reduce]
+    return [matmul, topk_reduce(y, pairs, out, topk)]
 
 
 def _gemv(experts, hidden, topk_weights, topk_ids, activation, expert_map, out, config: MoEConfig):

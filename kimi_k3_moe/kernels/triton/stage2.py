@@ -30,11 +30,16 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
         DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
         BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
         cfg.num_warps, cfg.num_stages, "stage2.aligned")
+    return [matmul, topk_reduce(y, pairs, out, topk)]
+
+
+def topk_reduce(y: torch.Tensor, pairs: AlignedPairs, out: torch.Tensor, topk: int) -> Launch:
+    """out[t] = the sum of y over t's top-k slots, in slot order, fp32 (absent slots add nothing)."""
+    hidden = y.shape[1]
     block = min(REDUCE_BLOCK, next_pow2(hidden))
-    reduce = Launch(topk_reduce_kernel, (out.shape[0], cdiv(hidden, block)), dict(
+    return Launch(topk_reduce_kernel, (out.shape[0], cdiv(hidden, block)), dict(
         y_ptr=y, stride_ym=y.stride(0), local_ptr=pairs.local, out_ptr=out, stride_om=out.stride(0),
         hidden=hidden, TOPK=topk, BLOCK_N=block), 4, 1, "stage2.reduce")
-    return [matmul, reduce]
 
 
 def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Tensor,
