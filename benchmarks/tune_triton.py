@@ -18,95 +18,18 @@ import multiprocessing as mp
 import sys
 import time
 from dataclasses import replace
-from itertools import product
 
 from _common import (SHAPES, ColdL2Timer, Recipe, _warm, env_info, log, random_experts, random_hidden,
                      random_routing, write_json)
 
 import torch  # noqa: E402
 
-from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
 from kimi_k3_moe.configs import triton_table as tt  # noqa: E402
-from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.kernels.triton.moe import plan_moe  # noqa: E402
+from kimi_k3_moe.kernels.triton.tuning_space import (ACT, QUICK, REGISTER_MARGIN, TIERS, TOPK,  # noqa: E402
+                                                      candidates)
 from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
-
-TIERS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
-TOPK = 16
-ACT = ActivationSpec.situv2(4.0, 25.0)
-GEMV_MAX_TOKENS = 16
-
-# (block_n, block_k, num_warps, num_stages[, interleave]); the GEMV path does its own
-# one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
-GEMV_S1 = [(16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 512, 4, 1)]
-GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
-# most promising first: the secondary entries try only the first QUICK of each list
-ALIGNED_S1 = [(64, 256, 4, 3, False), (128, 64, 8, 4, True), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
-              (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
-              # two stages: less shared memory per CTA, so more CTAs per SM on the latency-bound sizes
-              (64, 256, 4, 2, False), (64, 128, 4, 2, False), (128, 128, 8, 2, False)]
-ALIGNED_S2 = [(128, 64, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
-              (128, 128, 8, 3, True), (128, 128, 4, 4, False), (64, 128, 4, 3, False)]
-REGISTER_MARGIN = 250  # configs using more are treated as spilling (see tune_entry)
-QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
-
-
-def block_ms(tier: int) -> list[int]:
-    if tier <= 16:
-        return [16]
-    if tier <= 64:
-        return [16, 32]
-    if tier <= 256:
-        return [16, 32, 64]
-    if tier <= 1024:
-        return [32, 64, 128]
-    return [64, 128]
-
-
-def swaps(block_m: int) -> list[bool]:
-    return [True] if block_m <= 32 else [True, False]
-
-
-def kc(t, swap=True) -> KernelConfig:
-    bn, bk, w, s, *il = t
-    return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap,
-                        interleave=il[0] if il else True)
-
-
-def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
-    try:
-        cfg.validate(hidden, inter)
-        return True
-    except ValueError:
-        return False
-
-
-def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
-    """{(path, block_m): (stage-1 list, stage-2 list, base config)}."""
-    out = {}
-    n = QUICK if quick else None
-    base_h = tt.heuristic_config(hidden, inter, max(tier, 32), is_cuda=True)
-    if tier <= GEMV_MAX_TOKENS:
-        base = tt.heuristic_config(hidden, inter, 1, is_cuda=True)
-        s1 = [replace(base, stage1=kc(c)) for c in GEMV_S1[:n]]
-        s2 = [replace(base, stage2=kc(c)) for c in GEMV_S2[:n]]
-        out[("gemv", 0)] = ([c for c in s1 if valid(c, hidden, inter)],
-                            list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter))), base)
-    # quick: the two smallest row blocks (the largest never won a tier on the H200)
-    for bm in block_ms(tier)[:2] if quick else block_ms(tier):
-        base = replace(base_h, block_m=bm, stage1=replace(base_h.stage1, swap=bm <= 64),
-                       stage2=replace(base_h.stage2, swap=bm <= 64))
-        s1 = [replace(base, stage1=kc(c, sw)) for c, sw in product(ALIGNED_S1[:n], swaps(bm))]
-        s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2[:n], swaps(bm))]
-        # shapes whose stage-2 K (= I) does not take block_k 128 (TP16: I = 192) get block_k 64 tiles
-        s2 += [replace(base, stage2=kc((bn, 64, w, st, True), sw)) for (bn, bk, w, st, il), sw
-               in product(ALIGNED_S2[:n], swaps(bm)) if inter % bk]
-        s1 = [c for c in s1 if valid(c, hidden, inter)]
-        s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
-        if s1 and s2:
-            out[("aligned", bm)] = (s1, s2, base if valid(base, hidden, inter) else s1[0])
-    return out
 
 
 class Entry:
