@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -183,16 +184,41 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """Wait before retry `attempt` (1-based), with jitter so that many clients
         do not come back to a restarting server in lockstep."""
-        base = min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
-        return base * random.uniform(0.5, 1.0)
+        return self._base(attempt) * random.uniform(0.5, 1.0)
+
+    def _base(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+
+    def longest_wait_s(self) -> float:
+        return sum(self._base(n) for n in range(1, self.retries + 1))
+
+
+class RetryNotice:
+    """One line, the first time anything is retried: without it a server that does
+    not answer looks like a hung command for the half minute the retries take."""
+
+    def __init__(self, what: str, policy: RetryPolicy, say: Callable[[str], None]):
+        self._what, self._policy, self._say = what, policy, say
+        self._lock = threading.Lock()
+        self._said = False
+
+    def __call__(self, error: RequestFailed, attempt: int, delay_s: float) -> None:
+        with self._lock:
+            if self._said:
+                return
+            self._said = True
+        self._say(f"kimi-k3-moe gsm8k: {self._what}: {error}; retrying, up to {self._policy.retries} "
+                  f"more attempts over at most {self._policy.longest_wait_s():.3g} s")
 
 
 def with_retries(attempt: Callable[[], T], policy: RetryPolicy,
                  should_stop: Callable[[], bool] = lambda: False,
-                 sleep: Callable[[float], None] = time.sleep) -> tuple[T, int]:
+                 sleep: Callable[[float], None] = time.sleep,
+                 on_retry: Callable[[RequestFailed, int, float], None] | None = None) -> tuple[T, int]:
     """Call `attempt` until it succeeds, fails for good, or the retries run out:
     (its result, attempts made). Raises the last RequestFailed, with `.attempts` set;
-    `should_stop` lets the caller abandon waiting."""
+    `should_stop` lets the caller abandon waiting; `on_retry(error, attempt, delay)`
+    hears of each retry before its wait."""
     for n in range(1, policy.retries + 2):
         try:
             return attempt(), n
@@ -200,5 +226,8 @@ def with_retries(attempt: Callable[[], T], policy: RetryPolicy,
             if not exc.retryable or n > policy.retries or should_stop():
                 exc.attempts = n
                 raise
-            sleep(policy.delay(n))
+            delay = policy.delay(n)
+            if on_retry is not None:
+                on_retry(exc, n, delay)
+            sleep(delay)
     raise AssertionError("unreachable")

@@ -8,22 +8,27 @@ incomplete run (the report is still written; --resume finishes it),
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
 
-from kimi_k3_moe.gsm8k.client import APIS, RequestFailed, RetryPolicy, Server, with_retries
-from kimi_k3_moe.gsm8k.data import DATA_DIR_ENV, DataError, fingerprint, load_gsm8k
+from kimi_k3_moe.gsm8k.client import APIS, RequestFailed, RetryNotice, RetryPolicy, Server, with_retries
+from kimi_k3_moe.gsm8k.data import DATA_DIR_ENV, DataError, load_gsm8k
 from kimi_k3_moe.gsm8k.gate import DEFAULT_RTOL, METRICS, make_gate
 from kimi_k3_moe.gsm8k.job import run_questions
-from kimi_k3_moe.gsm8k.prompts import STOP, build_prompt, few_shot_prefix
+from kimi_k3_moe.gsm8k.protocols import NAMES, PROTOCOLS, build_prompts
 from kimi_k3_moe.gsm8k.report import Report, ReportError
 
 HELP = "GSM8K accuracy of a running vLLM or SGLang server, with a pass/fail gate"
 EPILOG = f"""\
-scores: strict = the number after '#### ' in the reply; flexible = the last number
-in the reply (commas removed). Both compare by value. The gate reads the flexible
-score unless --gate-on strict: that is the score vLLM's and SGLang's GSM8K CI gate on.
+protocols: lm-eval (default) sends and scores exactly as lm-eval's gsm8k task 3.0:
+per question 5 examples drawn with lm-eval's default seed, strict = strict-match,
+flexible = flexible-extract, both lm-eval's exact_match (string comparison, so
+'18.00' is not '18'). vllm sends and scores as vLLM's GSM8K CI script: the first
+examples, flexible = the last digits read as an integer; strict = the '#### N'
+number by value (ours). The gate reads the flexible score unless --gate-on strict.
 gate: --threshold T passes iff accuracy >= T; --baseline B [--rtol R] passes iff
 accuracy >= B*(1-R) (R defaults to {DEFAULT_RTOL}, vLLM's). No gate: exit 0 once all is answered.
 exit status: 0 pass, 1 fail, 2 usage/data/connection error or incomplete run, 130 interrupted.
@@ -42,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=list(APIS), default="completions",
                         help="; ".join(f"{k}: {v[1]} ({v[0]})" for k, v in APIS.items())
                         + " (default: %(default)s)")
+    parser.add_argument("--protocol", choices=NAMES, default="lm-eval",
+                        help="whose GSM8K to reproduce: lm-eval's gsm8k task or vLLM's CI script "
+                             "(default: %(default)s)")
     parser.add_argument("--model", help="model name to request (default: the one /v1/models lists)")
     parser.add_argument("--num-shots", type=int, default=5, help="worked examples (default: %(default)s)")
     parser.add_argument("--num-questions", type=int,
@@ -88,9 +96,14 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name} {getattr(args, name)}: must be positive")
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _served_model(server: Server, policy: RetryPolicy) -> str:
+    notice = RetryNotice(f"no answer from {server.base_url}/v1/models", policy, _say)
     try:
-        models, _ = with_retries(server.served_models, policy)
+        models, _ = with_retries(server.served_models, policy, on_retry=notice)
     except RequestFailed as exc:
         raise UsageError(f"cannot list the server's models ({exc}); is --base-url right? "
                          "Or pass --model") from None
@@ -118,21 +131,30 @@ def _prepare(args: argparse.Namespace):
     num_questions = len(test) if args.num_questions is None else args.num_questions
     if num_questions > len(test):
         raise UsageError(f"--num-questions {num_questions}: the test split has {len(test)} questions")
+    protocol = PROTOCOLS[args.protocol]
+    problems = test[:num_questions]
+    golds = []
+    for problem in problems:
+        try:
+            golds.append(protocol.gold(problem))
+        except ValueError as exc:
+            raise UsageError(f"GSM8K data: test question {problem.index}: {exc}") from None
     try:
-        server = Server(args.base_url, args.api, model=args.model, max_tokens=args.max_tokens, stop=STOP,
-                        timeout_s=args.timeout, api_key=args.api_key)
+        server = Server(args.base_url, args.api, model=args.model, max_tokens=args.max_tokens,
+                        stop=protocol.stop, timeout_s=args.timeout, api_key=args.api_key)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     policy = RetryPolicy(retries=args.retries, backoff_s=args.backoff)
     if server.api != "sglang-generate" and not server.model:
         server.model = _served_model(server, policy)
-    shots, problems = train[:args.num_shots], test[:num_questions]
-    prefix = few_shot_prefix([(p.question, p.answer) for p in shots])
-    prompts = [build_prompt(prefix, p.question) for p in problems]
-    settings = {"base_url": server.base_url, "api": server.api, "model": server.model,
+    prompts, shots = build_prompts(protocol, train, problems, args.num_shots)
+    described = protocol.describe()
+    settings = {"protocol": protocol.name, "reproduces": described["reproduces"],
+                "fewshot_seed": described["fewshot_seed"], "scores": described["scores"],
+                "base_url": server.base_url, "api": server.api, "model": server.model,
                 "num_shots": args.num_shots, "num_questions": num_questions, "max_tokens": args.max_tokens,
-                "temperature": 0, "stop": list(STOP), "data_source": source,
-                "data_sha256": fingerprint(shots + problems)}
+                "temperature": 0, "stop": described["stop"], "data_source": source,
+                "data_sha256": _fingerprint(prompts, golds), "first_prompt": prompts[0]}
     if args.resume and report_path.exists():
         try:
             report = Report.load(report_path)
@@ -148,17 +170,24 @@ def _prepare(args: argparse.Namespace):
         report.save(report_path, gate)
     except OSError as exc:
         raise UsageError(f"cannot write the report: {exc}") from None
-    return gate, report_path, server, policy, problems, prompts, report
+    return gate, report_path, server, policy, protocol, problems, prompts, shots, report
+
+
+def _fingerprint(prompts: list[str], golds: list[dict]) -> str:
+    """Of what the questions are: their exact prompts and what the replies are compared with."""
+    return hashlib.sha256(json.dumps([prompts, golds]).encode()).hexdigest()[:16]
 
 
 def _print_summary(report: Report, gate_json: dict, report_path: Path) -> None:
     s, t, cfg = report.summary(), report.throughput(), report.settings
-    print(f"GSM8K {cfg['num_shots']}-shot, {s['answered']}/{s['questions']} questions answered by "
-          f"{cfg['model'] or 'the server'} via {cfg['api']} at {cfg['base_url']}")
-    for metric, how in (("strict", "the '#### N' answer"), ("flexible", "the last number")):
+    print(f"GSM8K {cfg['num_shots']}-shot, protocol {cfg['protocol']}, {s['answered']}/{s['questions']} "
+          f"questions answered by {cfg['model'] or 'the server'} via {cfg['api']} at {cfg['base_url']}")
+    print(f"  protocol {cfg['protocol']} reproduces {cfg['reproduces']}")
+    for metric in ("strict", "flexible"):
         acc = s[f"{metric}_accuracy"]
-        print(f"  {metric:<8} accuracy {'n/a' if acc is None else f'{acc:.4f}'} "
-              f"({s[f'{metric}_correct']}/{s['answered']}, {how}; none in {s[f'{metric}_no_answer']} replies)")
+        print(f"  {cfg['protocol']:<7} {metric:<8} accuracy {'n/a' if acc is None else f'{acc:.4f}'} "
+              f"({s[f'{metric}_correct']}/{s['answered']}, {cfg['scores'][metric]}; "
+              f"no answer in {s[f'{metric}_no_answer']} replies)")
     if t.get("questions_per_s"):
         line = f"  throughput {t['questions_per_s']:.2f} questions/s"
         if t["completion_tokens_per_s"]:
@@ -168,15 +197,15 @@ def _print_summary(report: Report, gate_json: dict, report_path: Path) -> None:
             line += f"; latency p50 {lat['p50']:.2f} s, p90 {lat['p90']:.2f} s"
         print(line)
     if gate_json.get("rule"):
-        print(f"gate: {gate_json['rule']}: {gate_json['verdict']}")
+        print(f"gate: {cfg['protocol']} {gate_json['rule']}: {gate_json['verdict']}")
     print(f"report: {report_path}")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        gate, report_path, server, policy, problems, prompts, report = _prepare(args)
+        gate, report_path, server, policy, protocol, problems, prompts, shots, report = _prepare(args)
     except UsageError as exc:
-        print(f"kimi-k3-moe gsm8k: {exc}", file=sys.stderr)
+        print(f"kimi-k3-moe gsm8k: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -185,8 +214,9 @@ def run(args: argparse.Namespace) -> int:
         report.save(report_path, gate)
 
     try:
-        failure = run_questions(server, policy, problems, prompts, report, concurrency=args.concurrency,
-                                checkpoint=checkpoint, progress=False if args.no_progress else None)
+        failure = run_questions(server, policy, protocol, problems, prompts, shots, report,
+                                concurrency=args.concurrency, checkpoint=checkpoint,
+                                progress=False if args.no_progress else None)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(report.records)} answered are in {report_path}; "
               "--resume finishes the run", file=sys.stderr)
@@ -194,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     verdict = report.verdict(gate)
     _print_summary(report, verdict, report_path)
     if failure or not report.complete:
-        print(f"kimi-k3-moe gsm8k: incomplete: {failure or 'questions left unanswered'}; "
+        print(f"kimi-k3-moe gsm8k: error: incomplete: {failure or 'questions left unanswered'}; "
               f"fix the server and run again with --resume", file=sys.stderr)
         return 2
     return 0 if verdict["passed"] in (True, None) else 1

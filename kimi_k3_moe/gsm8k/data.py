@@ -4,13 +4,12 @@ The repository ships no GSM8K text; the user supplies it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimi_k3_moe.gsm8k.answers import gold_answer
+from kimi_k3_moe.gsm8k.answers_vllm import gold_answer
 
 DATA_DIR_ENV = "KIMI_K3_MOE_GSM8K_DIR"
 HF_DATASET = ("openai/gsm8k", "main")
@@ -49,15 +48,24 @@ def _problem(index: int, record: object, where: str) -> Problem:
 
 def read_split(path: Path) -> list[Problem]:
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            problems.append(_problem(len(problems), record, f"{path}:{lineno}"))
+    try:
+        with open(path, "rb") as f:
+            lines = list(f)
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from None
+    for lineno, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}: line {lineno} column {exc.start + 1}: not UTF-8 "
+                            f"(byte 0x{raw[exc.start]:02x})") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: line {lineno} column {exc.colno}: not JSON: {exc.msg}") from None
+        problems.append(_problem(len(problems), record, f"{path}: line {lineno}"))
     if not problems:
         raise DataError(f"{path} holds no records")
     return problems
@@ -97,9 +105,3 @@ def load_gsm8k(data_dir: str | os.PathLike | None) -> tuple[list[Problem], list[
     train, test = _from_hub()
     return train, test, f"huggingface:{'/'.join(HF_DATASET)}"
 
-
-def fingerprint(problems: list[Problem]) -> str:
-    digest = hashlib.sha256()
-    for p in problems:
-        digest.update(json.dumps([p.question, p.answer]).encode())
-    return digest.hexdigest()[:16]

@@ -4,8 +4,8 @@
                                                           with T = baseline - tolerance)
 --baseline B --rtol R  pass iff accuracy >= B * (1 - R)  (vLLM's lm-eval gate, R = 0.08)
 
-The gate reads one accuracy, flexible by default: vLLM's and SGLang's GSM8K
-jobs score the last number of the reply.
+The gate reads one accuracy of the chosen protocol, flexible by default: vLLM's
+and SGLang's GSM8K jobs score the last number of the reply.
 """
 from __future__ import annotations
 
@@ -44,15 +44,17 @@ def make_gate(baseline: float | None, threshold: float | None, rtol: float | Non
     """The gate the flags describe, None for no gate; ValueError for a bad combination."""
     if metric not in METRICS:
         raise ValueError(f"--gate-on {metric!r}: choose one of {', '.join(METRICS)}")
-    if threshold is not None and rtol is not None:
-        raise ValueError("give --threshold or --rtol, not both")
+    if threshold is not None and (baseline is not None or rtol is not None):
+        given = " and ".join(f for f, v in (("--baseline", baseline), ("--rtol", rtol)) if v is not None)
+        raise ValueError(f"--threshold and {given} are two different gates: give --threshold T "
+                         "or --baseline B [--rtol R], not both")
     if rtol is not None and baseline is None:
         raise ValueError("--rtol is relative to --baseline: give --baseline too")
     if baseline is not None:
         _fraction("--baseline", baseline)
     if threshold is not None:
         bar = _fraction("--threshold", threshold)
-        return Gate(metric, bar, f"{metric} accuracy >= {threshold:g}", baseline, threshold, None)
+        return Gate(metric, bar, f"{metric} accuracy >= {threshold:g}", None, threshold, None)
     if baseline is None:
         return None
     rtol = DEFAULT_RTOL if rtol is None else _fraction("--rtol", rtol, upper_open=True)

@@ -7,6 +7,7 @@ report, so a question is recorded at most once, however many times it was sent.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,25 +16,27 @@ from datetime import datetime, timezone
 
 from tqdm import tqdm
 
-from kimi_k3_moe.gsm8k.answers import flexible_answer, strict_answer
-from kimi_k3_moe.gsm8k.client import Completion, RequestFailed, RetryPolicy, Server, with_retries
+from kimi_k3_moe.gsm8k.client import Completion, RequestFailed, RetryNotice, RetryPolicy, Server, with_retries
 from kimi_k3_moe.gsm8k.data import Problem
 from kimi_k3_moe.gsm8k.prompts import cut_at_stop, prompt_id
+from kimi_k3_moe.gsm8k.protocols import Protocol
 from kimi_k3_moe.gsm8k.report import Report
 
 
-def score(problem: Problem, prompt: str, completion: Completion, stop: Sequence[str]) -> dict:
-    scored = cut_at_stop(completion.text, stop)
-    extracted = {"strict": strict_answer(scored), "flexible": flexible_answer(scored)}
-    return {"id": problem.index, "prompt_id": prompt_id(prompt), "question": problem.question,
-            "gold": problem.gold, "reply": completion.text, "cut_at_stop": scored != completion.text,
-            "extracted": extracted, "correct": {k: v == problem.gold for k, v in extracted.items()},
+def score(protocol: Protocol, problem: Problem, prompt: str, shots: Sequence[int],
+          completion: Completion) -> dict:
+    scored = cut_at_stop(completion.text, protocol.stop)
+    extracted, correct = protocol.score(scored, problem)
+    return {"id": problem.index, "prompt_id": prompt_id(prompt), "shots": list(shots),
+            "question": problem.question, "gold": protocol.gold(problem), "reply": completion.text,
+            "cut_at_stop": scored != completion.text, "extracted": extracted, "correct": correct,
             "latency_s": round(completion.latency_s, 4), "prompt_tokens": completion.prompt_tokens,
             "completion_tokens": completion.completion_tokens, "attempts": completion.attempts}
 
 
-def run_questions(server: Server, policy: RetryPolicy, problems: Sequence[Problem], prompts: Sequence[str],
-                  report: Report, *, concurrency: int, checkpoint: Callable[[], None],
+def run_questions(server: Server, policy: RetryPolicy, protocol: Protocol, problems: Sequence[Problem],
+                  prompts: Sequence[str], shots: Sequence[Sequence[int]], report: Report, *,
+                  concurrency: int, checkpoint: Callable[[], None],
                   checkpoint_every_s: float = 2.0, progress: bool | None = None) -> str | None:
     """Fill `report` in; returns None, or why the job stopped early (it then leaves the rest
     for --resume). Calls `checkpoint` now and then and once at the end, whatever happens."""
@@ -46,6 +49,8 @@ def run_questions(server: Server, policy: RetryPolicy, problems: Sequence[Proble
         return None
     results: queue.Queue = queue.Queue()
     stop = threading.Event()
+    notice = RetryNotice(f"no answer from {server.base_url}", policy,
+                         lambda line: tqdm.write(line, file=sys.stderr))
 
     def worker() -> None:
         while not stop.is_set():
@@ -55,7 +60,7 @@ def run_questions(server: Server, policy: RetryPolicy, problems: Sequence[Proble
                 return
             try:
                 completion, attempts = with_retries(lambda: server.complete_once(prompts[problem.index]),
-                                                    policy, should_stop=stop.is_set)
+                                                    policy, should_stop=stop.is_set, on_retry=notice)
                 outcome = replace(completion, attempts=attempts)
             except RequestFailed as exc:
                 stop.set()  # finish what is in flight, start nothing new
@@ -85,7 +90,7 @@ def run_questions(server: Server, policy: RetryPolicy, problems: Sequence[Proble
                 failure = (f"question {problem.index} failed after {outcome.attempts} "
                            f"attempt(s): {outcome}")
             return
-        report.add(score(problem, prompts[problem.index], outcome, server.stop))
+        report.add(score(protocol, problem, prompts[problem.index], shots[problem.index], outcome))
         session["answered"] += 1
         bar.update(1)
         bar.set_postfix(flexible=f"{report.accuracy('flexible'):.3f}", refresh=False)

@@ -1,27 +1,22 @@
-"""The few-shot prompt vLLM's and lm-eval's GSM8K jobs send.
+"""The few-shot prompt text lm-eval's gsm8k task and vLLM's GSM8K script both send.
 
-k worked examples from the training split, each `Question: q\nAnswer: a`
-followed by a blank line, then `Question: q\nAnswer:` for the test question.
-Generation is greedy and stops at the next `Question`.
+Each worked example is `Question: q\\nAnswer: a` followed by a blank line
+(lm-eval: target delimiter " ", fewshot delimiter "\\n\\n"), then
+`Question: q\\nAnswer:` for the test question. Which examples, and where
+generation stops, is the protocol's business (protocols.py).
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
 
-# the stop strings of vLLM's and SGLang's GSM8K jobs
-STOP = ("Question", "Assistant:", "<|separator|>")
+
+def build_prompt(examples: Sequence[tuple[str, str]], question: str) -> str:
+    shots = "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in examples)
+    return f"{shots}Question: {question}\nAnswer:"
 
 
-def few_shot_prefix(examples: Sequence[tuple[str, str]]) -> str:
-    return "".join(f"Question: {q}\nAnswer: {a}\n\n" for q, a in examples)
-
-
-def build_prompt(prefix: str, question: str) -> str:
-    return f"{prefix}Question: {question}\nAnswer:"
-
-
-def cut_at_stop(reply: str, stop: Sequence[str] = STOP) -> str:
+def cut_at_stop(reply: str, stop: Sequence[str]) -> str:
     """The reply up to the first stop string: a server that ignores `stop`
     would otherwise be scored on the next question it invents."""
     cut = min((i for i in (reply.find(s) for s in stop) if i >= 0), default=len(reply))

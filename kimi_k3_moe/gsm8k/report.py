@@ -11,12 +11,14 @@ import tempfile
 from pathlib import Path
 
 from kimi_k3_moe.gsm8k.gate import Gate
+from kimi_k3_moe.gsm8k.protocols import no_answer
 
 KIND = "kimi-k3-moe gsm8k report"
-VERSION = 1
+VERSION = 2  # 2: protocols (lm-eval, vllm); version-1 records were scored by value only
 # settings that change what a question's answer means; the rest (URL, concurrency,
 # timeouts, gate) may differ between a run and its resumption
-RESUME_MUST_MATCH = ("api", "model", "num_shots", "num_questions", "max_tokens", "stop", "data_sha256")
+RESUME_MUST_MATCH = ("protocol", "api", "model", "num_shots", "num_questions", "max_tokens", "stop",
+                     "data_sha256")
 
 
 class ReportError(Exception):
@@ -95,7 +97,7 @@ class Report:
         for metric in ("strict", "flexible"):
             out[f"{metric}_correct"] = sum(r["correct"][metric] for r in records)
             out[f"{metric}_accuracy"] = self.accuracy(metric)
-            out[f"{metric}_no_answer"] = sum(r["extracted"][metric] is None for r in records)
+            out[f"{metric}_no_answer"] = sum(no_answer(r["extracted"][metric]) for r in records)
         return out
 
     def throughput(self) -> dict:
@@ -114,7 +116,8 @@ class Report:
     def verdict(self, gate: Gate | None) -> dict:
         if gate is None:
             return {"verdict": "no gate", "passed": None}
-        out = {**gate.to_json(), "accuracy": self.accuracy(gate.metric)}
+        out = {**gate.to_json(), "protocol": self.settings.get("protocol"),
+               "accuracy": self.accuracy(gate.metric)}
         if not self.complete:
             return {**out, "verdict": "not judged: the run is incomplete", "passed": None}
         passed = gate.passes(out["accuracy"])

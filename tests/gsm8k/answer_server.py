@@ -129,8 +129,8 @@ def _unpack(path: str, body: dict, models: list[str]) -> tuple[str, str, dict]:
         raise ValueError("GSM8K is greedy: temperature must be 0")
     if not isinstance(limit, int) or limit < 1:
         raise ValueError("bad token limit")
-    if "Question" not in (params.get("stop") or []):
-        raise ValueError("stop must include 'Question'")
+    if not any(str(s).startswith("Question") for s in params.get("stop") or []):
+        raise ValueError("stop must include Question or Question:")
     return api, prompt, params
 
 

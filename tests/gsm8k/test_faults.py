@@ -154,3 +154,21 @@ def test_an_unexpected_client_error_is_reported_not_lost(world, gsm8k, monkeypat
     assert code == 2 and "unexpected KeyError" in err
     report = world.read_report()
     assert len(report["records"]) == 2 and [e["id"] for e in report["errors"]] == [2]
+
+
+def test_a_server_that_does_not_answer_gets_one_progress_line(world, gsm8k):
+    """Nothing listens on the port: one line says that the job is retrying and for how
+    long at most, then the error; not half a minute of silence, not a line per retry."""
+    world.server.stop()
+    code, out, err = gsm8k(world.args("--retries", "3"))  # the model is looked up first
+    lines = err.splitlines()
+    assert code == 2 and out == "" and len(lines) == 2, err
+    assert lines[0].startswith(f"kimi-k3-moe gsm8k: no answer from {world.server.url}/v1/models: ")
+    assert "ConnectionRefusedError" in lines[0] and lines[0].endswith("retrying, up to 3 more attempts over at most 0.07 s")
+    assert lines[1].startswith("kimi-k3-moe gsm8k: error: cannot list the server's models")
+
+    code, out, err = gsm8k(world.args("--retries", "3", "--model", "toy-gsm8k", "--overwrite"))
+    notices = [line for line in err.splitlines() if "retrying" in line]
+    assert code == 2 and len(notices) == 1, err  # 4 workers, each retrying, one line in all
+    assert notices[0].startswith(f"kimi-k3-moe gsm8k: no answer from {world.server.url}: POST ")
+    assert "error: incomplete: question" in err

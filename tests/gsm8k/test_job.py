@@ -6,25 +6,50 @@ import sys
 
 import pytest
 
+from kimi_k3_moe.gsm8k.answers_lmeval import normalize
+from kimi_k3_moe.gsm8k.protocols import PROTOCOLS
+
 from .conftest import FLEXIBLE, STRICT
 
+TABLE = {
+    "lm-eval": (f"lm-eval strict   accuracy {STRICT:.4f} (17/24, strict-match: first '#### N', exact_match; "
+                "no answer in 4 replies)",
+                f"lm-eval flexible accuracy {FLEXIBLE:.4f} (18/24, flexible-extract: last number, exact_match; "
+                "no answer in 0 replies)"),
+    "vllm": (f"vllm    strict   accuracy {STRICT:.4f} (17/24, first '#### N' by value (ours); no answer in 4 replies)",
+             f"vllm    flexible accuracy {FLEXIBLE:.4f} (18/24, vLLM's score: last digits as an integer; "
+             "no answer in 0 replies)"),
+}
 
-@pytest.mark.parametrize("api", ["completions", "chat", "sglang-generate"])
-def test_scores_are_exact_on_every_api(world, gsm8k, api):
-    code, out, err = gsm8k(world.args("--api", api, "--max-tokens", "123"))
+
+@pytest.mark.parametrize("api, protocol", [("completions", "lm-eval"), ("completions", "vllm"),
+                                           ("chat", "lm-eval"), ("sglang-generate", "lm-eval"),
+                                           ("sglang-generate", "vllm")])
+def test_scores_are_exact_on_every_api(world, gsm8k, api, protocol):
+    extra = () if protocol == "lm-eval" else ("--protocol", protocol)  # lm-eval is the default
+    code, out, err = gsm8k(world.args("--api", api, "--max-tokens", "123", *extra))
     assert code == 0, out + err
     report = world.read_report()
     s = report["summary"]
     assert (s["strict_accuracy"], s["flexible_accuracy"]) == (STRICT, FLEXIBLE)
     assert (s["strict_correct"], s["flexible_correct"], s["answered"], s["unanswered"]) == (17, 18, 24, 0)
-    assert f"strict   accuracy {STRICT:.4f} (17/24, the '#### N' answer; none in 4 replies)" in out
-    assert f"flexible accuracy {FLEXIBLE:.4f} (18/24, the last number; none in 0 replies)" in out
+    assert f"GSM8K 3-shot, protocol {protocol}, 24/24 questions" in out
+    assert TABLE[protocol][0] in out and TABLE[protocol][1] in out
+    proto = PROTOCOLS[protocol]
+    settings = report["settings"]
+    assert settings["protocol"] == protocol and settings["stop"] == list(proto.stop)
+    assert settings["reproduces"] == proto.reproduces and f"protocol {protocol} reproduces {proto.reproduces}" in out
+    first = next(e for e in world.server.log if e["question"] == world.test[0]["question"])
+    sent = first["body"].get("prompt") or first["body"].get("text") or first["body"]["messages"][0]["content"]
+    assert settings["first_prompt"] == sent
 
     # each question asked exactly once, greedily, with 3 shots and the stop string
     assert sorted(world.server.requests.values()) == [1] * 24
     assert {entry["api"] for entry in world.server.log} == {api}
     assert all(entry["shots"] == 3 for entry in world.server.log)
     body = world.server.log[0]["body"]
+    stop = body["sampling_params"]["stop"] if api == "sglang-generate" else body["stop"]
+    assert stop == list(proto.stop)
     if api == "sglang-generate":
         assert body["sampling_params"]["max_new_tokens"] == 123 and "model" not in body
         assert report["settings"]["model"] is None
@@ -37,10 +62,14 @@ def test_scores_are_exact_on_every_api(world, gsm8k, api):
     by_question = {t["question"]: t for t in world.test}
     for r in records:
         truth = by_question[r["question"]]
-        assert r["gold"] == str(truth["value"])
+        assert r["gold"] == {"strict": str(truth["value"]), "flexible": str(truth["value"])}
         assert r["reply"] == world.key[r["question"]].split("Question")[0]  # the server honoured stop
-        assert r["correct"]["strict"] == (r["extracted"]["strict"] == r["gold"])
-        assert r["correct"]["flexible"] == (r["extracted"]["flexible"] == r["gold"])
+        compare = normalize if protocol == "lm-eval" else str
+        for m in ("strict", "flexible"):
+            assert r["correct"][m] == (compare(r["extracted"][m]) == r["gold"][m])
+        assert len(r["shots"]) == 3 and len(set(r["shots"])) == 3
+        if protocol == "vllm":
+            assert r["shots"] == [0, 1, 2]
         assert r["latency_s"] > 0 and r["completion_tokens"] > 0 and r["prompt_tokens"] > 0
         assert r["attempts"] == 1 and len(r["prompt_id"]) == 16 and not r["cut_at_stop"]
     assert len({r["prompt_id"] for r in records}) == 24
@@ -52,9 +81,10 @@ def test_scores_are_exact_on_every_api(world, gsm8k, api):
 
 def test_gate_verdicts_and_exit_codes(world, gsm8k):
     code, out, _ = gsm8k(world.args("--threshold", str(FLEXIBLE)))  # exactly at the bar passes
-    assert code == 0 and f"gate: flexible accuracy >= {FLEXIBLE:g}: PASS" in out
+    assert code == 0 and f"gate: lm-eval flexible accuracy >= {FLEXIBLE:g}: PASS" in out
     gate = world.read_report()["gate"]
     assert gate["passed"] is True and gate["metric"] == "flexible" and gate["accuracy"] == FLEXIBLE
+    assert gate["protocol"] == "lm-eval"
 
     # A finished report can be judged again with another gate without asking anything
     asked = sum(world.server.requests.values())
@@ -77,6 +107,10 @@ def test_gate_verdicts_and_exit_codes(world, gsm8k):
 def test_usage_errors_exit_2(world, gsm8k, monkeypatch, tmp_path):
     code, _, err = gsm8k(world.args("--threshold", "0.5", "--rtol", "0.1"))
     assert code == 2 and "not both" in err
+    code, out, err = gsm8k(world.args("--threshold", "0.5", "--baseline", "0.9"))
+    assert code == 2 and out == "" and err == (
+        "kimi-k3-moe gsm8k: error: --threshold and --baseline are two different gates: "
+        "give --threshold T or --baseline B [--rtol R], not both\n")
     code, _, err = gsm8k(world.args("--num-questions", "25"))
     assert code == 2 and "test split has 24 questions" in err
     code, _, err = gsm8k(world.args("--num-shots", "7"))
@@ -131,7 +165,7 @@ def test_console_command_exit_codes(world):
 
     result = run("--threshold", "0.9")
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "gate: flexible accuracy >= 0.9: FAIL" in result.stdout
+    assert "gate: lm-eval flexible accuracy >= 0.9: FAIL" in result.stdout
     assert json.loads(open(world.report).read())["gate"]["verdict"] == "FAIL"
     result = run("--resume", "--threshold", "0.7")
     assert result.returncode == 0 and "PASS" in result.stdout
