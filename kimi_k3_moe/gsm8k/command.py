@@ -148,12 +148,10 @@ def _prepare(args: argparse.Namespace):
     if server.api != "sglang-generate" and not server.model:
         server.model = _served_model(server, policy)
     prompts, shots = build_prompts(protocol, train, problems, args.num_shots)
-    described = protocol.describe()
-    settings = {"protocol": protocol.name, "reproduces": described["reproduces"],
-                "fewshot_seed": described["fewshot_seed"], "scores": described["scores"],
+    settings = {**protocol.describe(),  # protocol, reproduces, stop, fewshot_seed, scores
                 "base_url": server.base_url, "api": server.api, "model": server.model,
                 "num_shots": args.num_shots, "num_questions": num_questions, "max_tokens": args.max_tokens,
-                "temperature": 0, "stop": described["stop"], "data_source": source,
+                "temperature": 0, "data_source": source,
                 "data_sha256": _fingerprint(prompts, golds), "first_prompt": prompts[0]}
     if args.resume and report_path.exists():
         try:

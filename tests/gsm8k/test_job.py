@@ -119,6 +119,16 @@ def test_usage_errors_exit_2(world, gsm8k, monkeypatch, tmp_path):
     assert code == 2 and "--concurrency 0: must be at least 1" in err
     code, _, err = gsm8k(["gsm8k", "--base-url", "localhost:8000", "--data-dir", world.data_dir])
     assert code == 2 and "not an http(s)://host[:port] URL" in err
+    test_file = os.path.join(world.data_dir, "test.jsonl")
+    good = open(test_file).read()
+    with open(test_file, "a") as f:
+        f.write('{"question": "a\tb", "answer": "#### 1"}\n')  # a raw tab inside a string
+    code, out, err = gsm8k(world.args())
+    assert code == 2 and out == "" and err == (
+        f"kimi-k3-moe gsm8k: error: GSM8K data: {test_file}: line 25 column 16: "
+        "not JSON: Invalid control character at\n")
+    with open(test_file, "w") as f:
+        f.write(good)
     monkeypatch.setitem(sys.modules, "datasets", None)
     monkeypatch.chdir(tmp_path)
     code, _, err = gsm8k(["gsm8k", "--base-url", world.server.url])

@@ -116,12 +116,9 @@ def _write_data(folder: Path, seed: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def lmeval_run(tmp_path_factory):
+def lmeval_run(tmp_path_factory, session_seed):
     root = tmp_path_factory.mktemp("lmeval")
-    seed = random.SystemRandom().randrange(2**31) if not os.environ.get("KIMI_K3_MOE_TEST_SEED") \
-        else int(os.environ["KIMI_K3_MOE_TEST_SEED"])
-    print(f"training problems seed={seed}")
-    replies = _write_data(root / "data", seed)
+    replies = _write_data(root / "data", session_seed)
     (root / "replies.json").write_text(json.dumps(replies))
     env = {**os.environ, "HF_HOME": str(root / "hf")}
     result = subprocess.run([LMEVAL_PYTHON, str(Path(__file__).with_name("lmeval_reference.py")),
