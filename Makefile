@@ -32,8 +32,8 @@ test-gsm8k: venv
 # lm-eval itself, for the parity test of the job's lm-eval protocol (prompts,
 # filters, exact_match). Its own venv, kept light: lm-eval without its dependencies
 # plus the few its task, sampler, filter and metric code imports (no scikit-learn,
-# scipy, nltk, evaluate, rouge: 28 s and 0.50 GB to install here against 40 s and
-# 0.76 GB with all of them). No torch, no pytest: the suite's venv runs the test.
+# scipy, nltk, evaluate, rouge: 0.50 GB, 28-52 s to install here, against 0.76 GB
+# and 40 s with all of them). No torch, no pytest: the suite's venv runs the test.
 LMEVAL_VENV ?= .venv-lmeval
 LMEVAL_SPEC ?= lm-eval==0.4.13
 LMEVAL_DEPS ?= datasets==5.2.0 jinja2==3.1.6 pyyaml==6.0.4 requests==2.34.2 sacrebleu==2.6.0

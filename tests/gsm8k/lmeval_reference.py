@@ -17,6 +17,7 @@ kwargs, the reply and per filter the extracted string and exact_match.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -73,7 +74,7 @@ def main(data_dir: str, replies_path: str, out_path: str, limit: str) -> None:
                                               "reply": s["resps"][0][0], "filters": {}})
         entry["filters"][s["filter"]] = {"extracted": s["filtered_resps"][0], "exact_match": s["exact_match"]}
     gen_kwargs = {json.dumps(r["gen_kwargs"], sort_keys=True) for r in lm.requests}
-    out = {"lm_eval_version": lm_eval.__version__ if hasattr(lm_eval, "__version__") else None,
+    out = {"lm_eval_version": importlib.metadata.version("lm-eval"),
            "task_version": results["configs"]["gsm8k_local"]["metadata"]["version"],
            "fewshot_seed": results["config"].get("fewshot_seed"),
            "num_fewshot": results["n-shot"]["gsm8k_local"],

@@ -72,6 +72,10 @@ CORPUS = [
     ("18", " #### 18\n\n", (True, True)),
     ("18", " The answer is 18,", (False, True)),
     ("18", " #### 18\nTHE END", (True, True)),
+    ("18", " It costs $$ or ..", (False, False)),
+    ("18", " 1.8.", (False, False)),
+    ("18", " #### 18\r\n", (True, True)),
+    ("18", " #### ,18", (True, True)),
     ("-3", " #### -3", (True, True)),            # vLLM's label is 3 too
     ("-3", " The change is -3 degrees.", (False, True)),
     ("-3", " #### 3", (False, True)),
@@ -131,6 +135,7 @@ def lmeval_run(tmp_path_factory, session_seed):
 def test_lm_eval_protocol_matches_lm_eval(lmeval_run):
     data_dir, ref = lmeval_run
     proto = PROTOCOLS["lm-eval"]
+    print(f"lm-eval {ref['lm_eval_version']}")
     # the task as lm-eval ran it: version, shots, seed, stop strings, greedy
     assert ref["task_version"] == 3.0 and ref["num_fewshot"] == SHOTS
     assert ref["fewshot_seed"] == proto.fewshot_seed
