@@ -100,6 +100,8 @@ def test_resume_refuses_a_report_made_with_other_settings(world, gsm8k):
     assert code == 2 and "num_shots: report has 3, this run 2" in err and "data_sha256" in err
     code, _, err = gsm8k(world.args("--num-questions", "4", "--resume", "--api", "chat"))
     assert code == 2 and "api: report has 'completions', this run 'chat'" in err
+    code, _, err = gsm8k(world.args("--num-questions", "4", "--resume", "--protocol", "vllm"))
+    assert code == 2 and "protocol: report has 'lm-eval', this run 'vllm'" in err
     with open(world.report, "w") as f:
         f.write("{not json")
     code, _, err = gsm8k(world.args("--resume"))
