@@ -13,6 +13,7 @@ COMMANDS = {
     "gsm8k": "kimi_k3_moe.gsm8k.command",
     "convert": "kimi_k3_moe.convert",
     "bench": "kimi_k3_moe.bench.command",
+    "tune": "kimi_k3_moe.tune.command",
 }
 
 
