@@ -27,7 +27,7 @@ def judge(out: torch.Tensor, ref: torch.Tensor, silu_ref: torch.Tensor | None = 
         return Verdict(False, float("nan"), "output has NaN/Inf")
     err = relative_l2(out.float(), ref.float())
     if err > bound:
-        why = f"rel L2 {err:.2e} > {bound:.0e}"
+        why = f"rel L2 {err:.2e} > {bound:.2g}"
         if silu_ref is not None and relative_l2(out.float(), silu_ref.float()) <= bound:
             why += " (it matches SiLU: the activation was ignored)"
         return Verdict(False, err, why)
