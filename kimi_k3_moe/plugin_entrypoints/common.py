@@ -81,8 +81,20 @@ def log_serving_once(engine: str, backend: str, activation: ActivationSpec) -> N
         if key in _logged:
             return
         _logged.add(key)
-    logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s",
-                __version__, engine, backend, activation)
+    logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s, tiles from %s",
+                __version__, engine, backend, activation, _table_line(backend))
+
+
+def _table_line(backend: str) -> str:
+    """Which tile table serves `backend` ("triton[mxfp4]" -> the triton tables), for the log line."""
+    from kimi_k3_moe.configs import user_tables
+    name = backend.split("[")[0]
+    if name not in ("triton", "flydsl"):
+        return "no table (this backend has no tiles)"
+    try:
+        return user_tables.describe(name)
+    except Exception as exc:  # the log line must never stop serving
+        return f"packaged table (user table not checked: {type(exc).__name__})"
 
 
 def converted_source(

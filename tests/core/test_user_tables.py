@@ -113,3 +113,13 @@ def test_flydsl_user_table_is_read_by_the_tile_lookup_for_its_arch_and_shape(tab
     assert p1.BM == tiles.tier_for("gfx950", 3).BM
     p1, _ = tiles.stage_configs("gfx942", "int4", hidden=H, inter=256, top_k=4, num_tokens=3, activation=situ)
     assert p1.BM == tiles.tier_for("gfx942", 3).BM
+
+
+def test_doctor_and_the_plugin_log_line_name_the_serving_table(tables):
+    from kimi_k3_moe import doctor
+    from kimi_k3_moe.plugin_entrypoints import common
+    assert common._table_line("triton[mxfp4]").startswith("packaged table (no user table at ")
+    path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries())
+    assert common._table_line("triton[mxfp4]").startswith(f"user table {path}")
+    assert doctor._tables_line("triton").startswith(f"tiles: user table {path}")
+    assert common._table_line("torch[mxfp4]").startswith("no table")
