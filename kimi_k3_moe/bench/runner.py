@@ -20,8 +20,9 @@ log = logging.getLogger(__name__)
 OK, WRONG, ERROR, ABSENT = "ok", "wrong", "error", "not available"
 
 
-def _reference(hidden, weights, ids, activation, expert_map, w13_of, w2_of):
-    return dense_moe(hidden, w13_of, w2_of, weights, ids, activation, expert_map, compute_dtype=torch.float32)
+def _reference(hidden, weights, ids, activation, expert_map, w13_of, w2_of, act_quant=None):
+    return dense_moe(hidden, w13_of, w2_of, weights, ids, activation, expert_map, compute_dtype=torch.float32,
+                     act_quant=act_quant)
 
 
 def run_bench(peers: list[Peer], shape: Shape, tokens: list[int], activation: ActivationSpec, timer, *,
@@ -70,19 +71,19 @@ def run_bench(peers: list[Peer], shape: Shape, tokens: list[int], activation: Ac
                "floor_us": max(floor_bw, floor_cmp), "results": {}}
         refs = {}
 
-        def ref_for(act, ref_w):
-            key = (getattr(act, "name", str(act)), str(act), id(ref_w) if ref_w else None)
+        def ref_for(act, ref_w, act_quant=None):
+            key = (str(act), id(ref_w) if ref_w else None, act_quant.tag() if act_quant else None)
             if key not in refs:
                 w13_of, w2_of = ref_w or (mx13, mx2)
-                refs[key] = _reference(hidden, weights, ids, act, emap, w13_of, w2_of)
+                refs[key] = _reference(hidden, weights, ids, act, emap, w13_of, w2_of, act_quant)
             return refs[key]
         for name, r in runners.items():
             res = row["results"][name] = {}
             try:
                 routed = r.route(weights, ids)
                 out = r.run(hidden, routed)
-                ref = ref_for(r.activation, r.reference_weights)
-                silu_ref = ref_for(silu, r.reference_weights) if r.activation == activation \
+                ref = ref_for(r.activation, r.reference_weights, r.act_quant)
+                silu_ref = ref_for(silu, r.reference_weights, r.act_quant) if r.activation == activation \
                     and activation.name != silu.name else None
                 verdict = judge(out, ref, silu_ref, bound)
                 res["rel_l2"] = verdict.rel_l2

@@ -23,10 +23,10 @@ def make_peer(name: str, peer_path: str | None = None) -> Peer:
 
 
 def make_ours(spec: str) -> Peer:
-    """'triton' | 'triton:int4' | 'flydsl' | 'torch' ..."""
+    """'triton' | 'triton:int4' | 'triton:mxfp4:fp8' (backend[:weight format[:activation dtype]]) ..."""
     from kimi_k3_moe.bench.peers.ours import OursPeer
-    backend, _, fmt = spec.partition(":")
-    return OursPeer(backend, fmt or "mxfp4")
+    backend, fmt, act = (spec.split(":") + ["", ""])[:3]
+    return OursPeer(backend, fmt or "mxfp4", **({"act_dtype": act} if act else {}))
 
 
 __all__ = ["ENGINE", "OTHER", "OURS", "PEER_NAMES", "Peer", "PeerUnavailable", "Runner", "make_ours", "make_peer"]

@@ -30,6 +30,7 @@ class Runner:
     route: Callable[[torch.Tensor, torch.Tensor], Any] = lambda weights, ids: (weights, ids)
     reference_weights: tuple[Callable[[int], torch.Tensor], Callable[[int], torch.Tensor]] | None = None
     notes: list[str] = field(default_factory=list)
+    act_quant: Any = None  # the activation quantization the reference must apply too (None: bf16)
     route_in_timing: bool = True  # False: `route` is excluded from the timed region (said in the output)
 
 

@@ -10,8 +10,9 @@ class OursPeer(Peer):
 
     def __init__(self, backend: str, weight_format: str = "mxfp4", **options):
         self.backend_name, self.weight_format, self.options = backend, weight_format, options
-        self.name = f"ours_{backend}_{weight_format}"
-        self.label = f"ours {backend} {weight_format}"
+        act = options.get("act_dtype")
+        self.name = f"ours_{backend}_{weight_format}" + (f"_{act}" if act else "")
+        self.label = f"ours {backend} {weight_format}" + (f" ({act} activations)" if act else "")
 
     def _backend(self):
         return get_backend(self.backend_name, weight_format=self.weight_format, **self.options)
@@ -33,11 +34,13 @@ class OursPeer(Peer):
         def run(hidden, routed):
             weights, ids = routed
             return be.forward(prepared, hidden, weights, ids, activation, expert_map)
-        exact = self.weight_format == "mxfp4"
+        exact = self.weight_format == "mxfp4" and not be.act_quant.quantizes
         # a lossy format is judged on the weights it encodes, not on MXFP4's
         ref_w = None if exact else (lambda e: be.dequantize_prepared(prepared, e)[0],
                                     lambda e: be.dequantize_prepared(prepared, e)[1])
-        runner = Runner(run=run, activation=activation, reference_weights=ref_w)
+        # quantized activations are judged against a reference rounding them the same way
+        runner = Runner(run=run, activation=activation, reference_weights=ref_w,
+                        act_quant=be.act_quant if be.act_quant.quantizes else None)
         runner.backend, runner.prepared = be, prepared
         if hasattr(be, "lookup"):
             runner.config_source = lambda t: be.lookup(prepared, t).source
