@@ -109,3 +109,27 @@ def test_shapes_parse_and_refuse_with_a_message():
             assert words in str(exc)
         else:
             raise AssertionError(bad)
+
+
+def test_expert_parallel_rows_sum_only_the_rank_s_experts(seed):
+    from kimi_k3_moe.bench.shapes import Shape
+    shape = Shape("tiny_ep", 256, 64, 8, topk=2, local_experts=4)
+    result = run_bench([make_ours("torch"), make_peer("torch")], shape, [5], SITU, FakeClock(lambda label: 1.0),
+                       device="cpu", seed=seed, ceilings={"copy_GBps": 100.0, "bf16_TFLOPs": 1.0})
+    row = result["rows"][0]
+    assert row["results"]["ours_torch_mxfp4"]["status"] == "ok"
+    assert row["distinct_experts"] <= 4
+
+
+def test_commands_refuse_bad_input_and_a_missing_gpu_with_one_line(capsys):
+    from kimi_k3_moe.cli import main
+    assert main(["bench", "--shape", "3584,384"]) == 2
+    assert "H,I,E,K" in capsys.readouterr().err
+    assert main(["bench", "--tokens", "1,x"]) == 2
+    assert "--tokens" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--shape", "tiny"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "no GPU" in err
+        assert main(["tune", "--backend", "triton", "--shape", "tiny"]) == 2
+        assert "no GPU" in capsys.readouterr().err
