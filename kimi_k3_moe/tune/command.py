@@ -76,10 +76,14 @@ def make_target(backend, shape, experts, activation, identity, args, tiers):
         return TritonTarget(shape, experts, activation, identity=identity, weight_format=args.weight_format,
                             tiers=tiers, quick=args.quick)
     from kimi_k3_moe.configs import user_tables
+    from kimi_k3_moe.kernels.flydsl.toolchain import rocm_root
     from kimi_k3_moe.tune.flydsl_target import FlyDSLTarget
+    rocm = rocm_root()
+    if rocm is None:
+        raise RuntimeError("no ROCm ld.lld found (set ROCM_PATH or KIMI_K3_MOE_FLYDSL_ROCM)")
     out = user_tables.table_dir() / "flydsl_build"
     return FlyDSLTarget(shape, experts, activation, arch=identity["arch"], identity=identity, out_dir=out,
-                        tiers=tiers)
+                        rocm=rocm, tiers=tiers)
 
 
 def run_with_progress(target, activation, timer, budget_s, state, seed, device="cuda", clock=time.monotonic):
