@@ -1,5 +1,6 @@
 """Shared helpers of the GPU scripts: K3 shapes, random experts and routing,
-CUDA-graph timing with a cold L2, the two ceilings, parallel precompilation.
+CUDA-graph timing with a cold L2 and the two ceilings (all from kimi_k3_moe.bench,
+the one implementation `kimi-k3-moe bench/tune` use), parallel precompilation.
 
 Run the scripts from the repository root (`python benchmarks/<script>.py`).
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -19,145 +19,29 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from kimi_k3_moe.kernels.base import ExpertWeights  # noqa: E402
+from kimi_k3_moe.bench.data import random_experts, random_hidden, random_routing  # noqa: E402,F401
+from kimi_k3_moe.bench.shapes import K3_TOPK  # noqa: E402,F401
+from kimi_k3_moe.bench.timing import (L2_FLUSH_BYTES, GraphTimer, bf16_matmul_tflops,  # noqa: E402,F401
+                                      copy_bandwidth_gbps, fp8_matmul_tflops, moe_flops,
+                                      mxfp4_bytes_per_expert)
 
-K3_TOPK = 16
 SHAPES = {  # per-rank MoE shapes of Kimi-K3 (K3_FACTS 1)
     "tp8": dict(num_experts=896, hidden=3584, inter=384),
     "tp16": dict(num_experts=896, hidden=3584, inter=192),
     "tiny": dict(num_experts=8, hidden=256, inter=64),  # CPU dry runs under TRITON_INTERPRET=1
 }
-L2_FLUSH_BYTES = 256 << 20
 
 
 def log(*parts) -> None:
     print(f"[{time.strftime('%H:%M:%S')}]", *parts, flush=True)
 
 
-def mxfp4_bytes_per_expert(hidden: int, inter: int) -> int:
-    """Packed codes plus e8m0 scales of w13 and w2 of one expert."""
-    w13 = 2 * inter * (hidden // 2 + hidden // 32)
-    w2 = hidden * (inter // 2 + inter // 32)
-    return w13 + w2
-
-
-def random_experts(num_experts: int, hidden: int, inter: int, device, gen: torch.Generator) -> ExpertWeights:
-    """Uniformly random e2m1 codes (RMS 2.93) with e8m0 scales drawn around the value that makes
-    stage-1 outputs RMS ~4 for unit-variance inputs (so SiLU and SiTUv2 really differ, as on K3)
-    and stage-2 weights RMS ~1/sqrt(I)."""
-    import math
-
-    def side(n, k, target_rms):
-        center = 127 + round(math.log2(target_rms / 2.93))
-        packed = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, device=device, generator=gen)
-        scale = torch.randint(center - 2, center + 3, (num_experts, n, k // 32), dtype=torch.uint8,
-                              device=device, generator=gen)
-        return packed, scale
-    return ExpertWeights(*side(2 * inter, hidden, 4.0 / math.sqrt(hidden)), *side(hidden, inter, 1.0 / math.sqrt(inter)))
-
-
-def random_routing(num_tokens: int, num_experts: int, topk: int, device, gen: torch.Generator):
-    """Distinct experts per token (uniform), positive weights summing to 1 (like renormalised sigmoid top-k)."""
-    scores = torch.rand(num_tokens, num_experts, device=device, generator=gen)
-    weights, ids = scores.topk(topk, dim=1)
-    weights = weights / weights.sum(1, keepdim=True)
-    return weights.float(), ids.to(torch.int32)
-
-
-def random_hidden(num_tokens: int, hidden: int, device, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(num_tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
-
-
-class ColdL2Timer:
-    """Times a callable as a CUDA graph replay, flushing L2 before each replay (median, min)."""
-
-    def __init__(self, device=None):
-        self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device or "cuda")
+class ColdL2Timer(GraphTimer):
+    """The package's one timing method (kimi_k3_moe.bench.timing) under the scripts' old name."""
 
     def time_graph(self, fn, reps: int = 25, warmup: int = 2) -> dict:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            self.flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        del graph
-        return {"median_us": statistics.median(times), "min_us": min(times), "reps": reps}
-
-
-def copy_bandwidth_gbps(device="cuda", nbytes: int = 2 << 30, reps: int = 10) -> float:
-    """Device-to-device copy, bytes read plus written per second (median)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
-def bf16_matmul_tflops(device="cuda", n: int = 8192, reps: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
-
-
-def fp8_matmul_tflops(device="cuda", n: int = 8192, reps: int = 10) -> float | None:
-    """e4m3 x e4m3 -> bf16 (torch._scaled_mm, fast accumulation), measured like bf16_matmul_tflops;
-    None where torch has no fp8 matmul here."""
-    try:
-        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=device, dtype=torch.float32)
-
-        def mm():
-            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
-        for _ in range(3):
-            mm()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            mm()
-        end.record()
-        end.synchronize()
-        return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
-    except Exception as exc:  # reported by the caller
-        log(f"fp8 matmul rate not measured: {type(exc).__name__}: {exc}")
-        return None
-
-
-def moe_flops(num_tokens: int, topk: int, hidden: int, inter: int) -> float:
-    return 2.0 * num_tokens * topk * (hidden * 2 * inter + inter * hidden)
+        self.warmup = warmup
+        return self.time(fn, reps)
 
 
 def poison_allocator(nbytes: int = 8 << 30) -> None:

@@ -12,6 +12,8 @@ COMMANDS = {
     "demo": "kimi_k3_moe.demo",
     "gsm8k": "kimi_k3_moe.gsm8k.command",
     "convert": "kimi_k3_moe.convert",
+    "bench": "kimi_k3_moe.bench.command",
+    "tune": "kimi_k3_moe.tune.command",
 }
 
 

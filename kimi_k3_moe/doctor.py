@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         for line in skipped:
             print(f"  skipped {line}")
         print(f"would serve with: {backend.describe()} ({choice.reason})")
+        print(_tables_line(backend.name))
     except (BackendUnavailable, ValueError) as exc:
         problems.append(str(exc))
     if args.model:
@@ -106,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("OK")
     return 0
+
+
+def _tables_line(backend: str) -> str:
+    from kimi_k3_moe.configs import user_tables
+    if backend not in ("triton", "flydsl"):
+        return f"tiles: none ({backend} has no tile table)"
+    return f"tiles: {user_tables.describe(backend)}"
 
 
 def _check_model(model: str, tp: int) -> list[str]:

@@ -19,6 +19,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from kimi_k3_moe.configs import user_tables
+
 PATHS = ("gemv", "aligned")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
 BLOCK_MS = (16, 32, 64, 128, 256)
@@ -155,14 +157,20 @@ def find_entry(table: dict, fmt: str, num_experts: int, n: int, k: int) -> tuple
 def lookup(dev_key: str, fmt: str, num_experts: int, hidden: int, inter: int, num_tokens: int,
            *, is_cuda: bool, table: dict | None = None) -> Lookup:
     """The config for `num_tokens` tokens; valid for every num_tokens >= 0."""
-    table = load_table(dev_key) if table is None else table
-    found = None if table is None else find_entry(table, fmt, num_experts, 2 * inter, hidden)
+    # a valid user table (kimi-k3-moe tune) for exactly this device and shape comes first
+    user = user_tables.triton_entry(dev_key, fmt, num_experts, 2 * inter, hidden) if table is None else None
+    if user is not None:
+        found, origin = user
+    else:
+        table = load_table(dev_key) if table is None else table
+        found, origin = None if table is None else find_entry(table, fmt, num_experts, 2 * inter, hidden), \
+            f"table {dev_key}"
     if found is not None:
         key, entry = found
         tier = pick_tier(tiers_of(entry), num_tokens)
         cfg = MoEConfig.from_json(entry["tiers"][str(tier)]).for_target(is_cuda)
         try:
-            return Lookup(cfg.validate(hidden, inter), f"table {dev_key} {key} tier {tier}")
+            return Lookup(cfg.validate(hidden, inter), f"{origin} {key} tier {tier}")
         except ValueError as exc:
             raise ValueError(f"tuned config {dev_key} {key} tier {tier} is invalid for "
                              f"H={hidden}, I={inter}: {exc}") from exc

@@ -81,8 +81,21 @@ def log_serving_once(engine: str, backend: str, activation: ActivationSpec) -> N
         if key in _logged:
             return
         _logged.add(key)
-    logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s",
-                __version__, engine, backend, activation)
+    tiles = _table_line(backend)
+    logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s%s",
+                __version__, engine, backend, activation, f", tiles from {tiles}" if tiles else "")
+
+
+def _table_line(backend: str) -> str | None:
+    """Which tile table serves `backend` ("triton[mxfp4]" -> the triton tables); None: it has none."""
+    from kimi_k3_moe.configs import user_tables
+    name = backend.split("[")[0]
+    if name not in ("triton", "flydsl"):
+        return None
+    try:
+        return user_tables.describe(name)
+    except Exception as exc:  # the log line must never stop serving
+        return f"packaged table (user table not checked: {type(exc).__name__})"
 
 
 def converted_source(

@@ -122,6 +122,9 @@ def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top
                   reduce: str = "slots", int4_decode: str = "shift", act_dtype: str = "bf16",
                   table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
     """(stage 1, stage 2) kernel configs for a layer of this shape at this token count."""
+    if table is None:  # a valid user table (kimi-k3-moe tune) for exactly this GPU and shape comes first
+        from kimi_k3_moe.configs import user_tables
+        table = user_tables.flydsl_tiers(arch, weight_format, hidden, inter, top_k)
     tier = tier_for(arch, num_tokens, table)
     common = dict(arch=arch, weight_format=weight_format, top_k=top_k, BM=tier.BM, has_offsets=has_offsets,
                   int4_decode=int4_decode, act_dtype=act_dtype)

@@ -1,0 +1,86 @@
+"""`kimi-k3-moe bench`: ours against the engine's own path on this GPU, same weights and routing."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = ("time every backend that runs here and the engine's own Kimi-K3 path (Humming on Hopper, aiter on "
+        "ROCm) at one per-rank shape; each row is checked against the float reference before it is timed")
+DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,16384"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--model", help="model folder or config.json: its per-rank shape and betas (with --tp)")
+    where.add_argument("--shape", default="tp8", help="tp8 | tp16 | ep16 | H,I,E,K (default tp8)")
+    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size for --model")
+    parser.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma list of token counts")
+    parser.add_argument("--json", dest="json_out", help="write the full result here")
+    parser.add_argument("--ours", default="auto", help="our rows, e.g. triton,triton:int4,flydsl (auto: this platform's)")
+    parser.add_argument("--peers", default="humming,aiter,triton_kernels,torch",
+                        help="peer rows (those that cannot run here say why)")
+    parser.add_argument("--peer-path", default=".peer", help="folder holding the triton_kernels package")
+    parser.add_argument("--reps", type=int, default=25, help="graph replays per figure (median)")
+    parser.add_argument("--seed", type=int, default=None, help="data seed (default: fresh)")
+
+
+def parse_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--tokens {text!r}: expected a comma list of integers") from None
+    if not tokens or min(tokens) < 1:
+        raise ValueError(f"--tokens {text!r}: token counts must be >= 1")
+    return tokens
+
+
+def default_ours() -> list[str]:
+    import torch
+    if getattr(torch.version, "hip", None):
+        return ["flydsl", "triton", "triton:int4"]
+    return ["triton"]
+
+
+def run(args: argparse.Namespace) -> int:
+    import random
+
+    import torch
+
+    from kimi_k3_moe.activation import ActivationSpec
+    from kimi_k3_moe.bench import report
+    from kimi_k3_moe.bench.env import run_info
+    from kimi_k3_moe.bench.peers import make_ours, make_peer
+    from kimi_k3_moe.bench.runner import run_bench
+    from kimi_k3_moe.bench.shapes import model_activation, parse_shape, shape_from_model
+    from kimi_k3_moe.bench.timing import GraphTimer, bf16_matmul_tflops, copy_bandwidth_gbps
+    try:
+        tokens = parse_tokens(args.tokens)
+        if args.model:
+            shape, activation = shape_from_model(args.model, args.tp), model_activation(args.model)
+        else:
+            shape, activation = parse_shape(args.shape), ActivationSpec.situv2(4.0, 25.0)
+        ours = default_ours() if args.ours == "auto" else [s for s in args.ours.split(",") if s]
+        peers = [make_ours(s) for s in ours] + [make_peer(p, args.peer_path) for p in args.peers.split(",") if p]
+    except ValueError as exc:
+        print(f"kimi-k3-moe bench: {exc}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("kimi-k3-moe bench: no GPU visible to PyTorch; the bench times GPU kernels (CUDA/HIP graphs)",
+              file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    ceilings = {"copy_GBps": copy_bandwidth_gbps(), "bf16_TFLOPs": bf16_matmul_tflops()}
+    info = run_info()
+
+    def on_row(partial: dict) -> None:  # an interrupted run still leaves its finished rows
+        print("  " + report.row_line(partial["rows"][-1]), file=sys.stderr, flush=True)
+        if args.json_out:
+            report.write_json(args.json_out, dict(partial, info=info))
+    result = run_bench(peers, shape, tokens, activation, GraphTimer(reps=args.reps), device="cuda", seed=seed,
+                       ceilings=ceilings, progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True),
+                       on_row=on_row)
+    result["info"] = info
+    report.render(result)
+    if args.json_out:
+        print(f"wrote {report.write_json(args.json_out, result)}")
+    return 0

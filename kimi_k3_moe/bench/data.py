@@ -1,0 +1,40 @@
+"""Random experts, routing and activations with the statistics of Kimi-K3's layers."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kimi_k3_moe.kernels.base import ExpertWeights
+
+
+def random_experts(num_experts: int, hidden: int, inter: int, device, gen: torch.Generator) -> ExpertWeights:
+    """Uniformly random e2m1 codes (RMS 2.93) with e8m0 scales drawn around the value that makes
+    stage-1 outputs RMS ~4 for unit-variance inputs (so SiLU and SiTUv2 really differ, as on K3)
+    and stage-2 weights RMS ~1/sqrt(I)."""
+    def side(n, k, target_rms):
+        center = 127 + round(math.log2(target_rms / 2.93))
+        packed = torch.randint(0, 256, (num_experts, n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+        scale = torch.randint(center - 2, center + 3, (num_experts, n, k // 32), dtype=torch.uint8,
+                              device=device, generator=gen)
+        return packed, scale
+    return ExpertWeights(*side(2 * inter, hidden, 4.0 / math.sqrt(hidden)), *side(hidden, inter, 1.0 / math.sqrt(inter)))
+
+
+def random_routing(num_tokens: int, num_experts: int, topk: int, device, gen: torch.Generator):
+    """Distinct experts per token (uniform), positive weights summing to 1 (like renormalised sigmoid top-k)."""
+    scores = torch.rand(num_tokens, num_experts, device=device, generator=gen)
+    weights, ids = scores.topk(topk, dim=1)
+    weights = weights / weights.sum(1, keepdim=True)
+    return weights.float(), ids.to(torch.int32)
+
+
+def random_hidden(num_tokens: int, hidden: int, device, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(num_tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+
+
+def expert_map_for(num_experts: int, local_experts: int, device) -> torch.Tensor:
+    """Global id -> local id for the rank holding experts [0, local_experts); -1 elsewhere."""
+    emap = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
+    emap[:local_experts] = torch.arange(local_experts, dtype=torch.int32, device=device)
+    return emap

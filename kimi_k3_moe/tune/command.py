@@ -1,0 +1,125 @@
+"""`kimi-k3-moe tune`: tune this GPU's tiles for one shape and leave a table the plugin then uses."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+HELP = ("tune the kernels' tiles on this GPU for one per-rank shape (each candidate checked against the "
+        "reference, then timed) and write a user table that dispatch reads")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("triton", "flydsl"), default=None,
+                        help="default: flydsl on AMD, triton on NVIDIA")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--model", help="model folder or config.json: its per-rank shape and betas (with --tp)")
+    where.add_argument("--shape", default="tp8", help="tp8 | tp16 | ep16 | H,I,E,K (default tp8)")
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--format", dest="weight_format", default="mxfp4", help="triton: mxfp4 | int4")
+    parser.add_argument("--tiers", default=None, help="comma list of token tiers (default: the backend's)")
+    parser.add_argument("--budget-min", type=float, default=10.0, help="stop starting candidates after this")
+    parser.add_argument("--quick", action="store_true", help="triton: the first few candidates per stage only")
+    parser.add_argument("--reps", type=int, default=25)
+    parser.add_argument("--restart", action="store_true", help="ignore the saved progress of an earlier run")
+
+
+def run(args: argparse.Namespace) -> int:
+    import random
+
+    import torch
+
+    from kimi_k3_moe.activation import ActivationSpec
+    from kimi_k3_moe.bench.data import random_experts
+    from kimi_k3_moe.bench.shapes import model_activation, parse_shape, shape_from_model
+    from kimi_k3_moe.bench.timing import GraphTimer
+    from kimi_k3_moe.configs import user_tables
+    try:
+        if args.model:
+            shape, activation = shape_from_model(args.model, args.tp), model_activation(args.model)
+        else:
+            shape, activation = parse_shape(args.shape), ActivationSpec.situv2(4.0, 25.0)
+        tiers = [int(t) for t in args.tiers.split(",")] if args.tiers else None
+    except ValueError as exc:
+        print(f"kimi-k3-moe tune: {exc}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("kimi-k3-moe tune: no GPU visible to PyTorch; tuning times kernels on the GPU it tunes for",
+              file=sys.stderr)
+        return 2
+    if shape.is_ep:
+        print(f"kimi-k3-moe tune: {shape.name} is an expert-parallel slice; tune its local shape "
+              f"H,I,{shape.held_experts},K instead", file=sys.stderr)
+        return 2
+    hip = bool(getattr(torch.version, "hip", None))
+    backend = args.backend or ("flydsl" if hip else "triton")
+    identity = user_tables.device_identity()
+    seed = random.SystemRandom().randrange(2**31)
+    experts = random_experts(shape.num_experts, shape.hidden, shape.inter, "cuda",
+                             torch.Generator(device="cuda").manual_seed(seed))
+    try:
+        target = make_target(backend, shape, experts, activation, identity, args, tiers)
+    except Exception as exc:
+        print(f"kimi-k3-moe tune: the {backend} backend cannot be tuned here: {exc}", file=sys.stderr)
+        return 2
+    state = user_tables.table_path(backend, identity["key"]).with_suffix(f".{shape.name}.state.json")
+    if args.restart:
+        state.unlink(missing_ok=True)
+    result = run_with_progress(target, activation, GraphTimer(reps=args.reps), args.budget_min * 60, state, seed)
+    print_summary(result)
+    return 0
+
+
+def make_target(backend, shape, experts, activation, identity, args, tiers):
+    if backend == "triton":
+        from kimi_k3_moe.tune.triton_target import TritonTarget
+        return TritonTarget(shape, experts, activation, identity=identity, weight_format=args.weight_format,
+                            tiers=tiers, quick=args.quick)
+    from kimi_k3_moe.configs import user_tables
+    from kimi_k3_moe.kernels.flydsl.toolchain import rocm_root
+    from kimi_k3_moe.tune.flydsl_target import FlyDSLTarget
+    rocm = rocm_root()
+    if rocm is None:
+        raise RuntimeError("no ROCm ld.lld found (set ROCM_PATH or KIMI_K3_MOE_FLYDSL_ROCM)")
+    out = user_tables.table_dir() / "flydsl_build"
+    return FlyDSLTarget(shape, experts, activation, arch=identity["arch"], identity=identity, out_dir=out,
+                        rocm=rocm, tiers=tiers)
+
+
+def run_with_progress(target, activation, timer, budget_s, state, seed, device="cuda", clock=time.monotonic):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kimi_k3_moe.tune.loop import tune
+    start = clock()
+    with Progress(TextColumn("[bold]tune {task.fields[backend]}"), BarColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn()) as bar:
+        task = bar.add_task("starting", total=budget_s, backend=target.backend)
+
+        def progress(cand):
+            bar.update(task, completed=min(budget_s, clock() - start), description=cand.label)
+        result = tune(target, activation, timer, budget_s=budget_s, state_path=state, device=device, seed=seed,
+                      clock=clock, progress=progress)
+        bar.update(task, completed=budget_s, description="done")
+    return result
+
+
+def print_summary(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    table = Table(title=f"tuned {result['key']} -> {result['path']}")
+    for c in ("tier", "tuned", "us", "packaged us", "x packaged", "candidates timed", "note"):
+        table.add_column(c)
+    for tier, info in result["tiers"].items():
+        packaged = [o.get("us") for o in result["outcomes"].get(str(tier), {}).values()
+                    if o["label"].endswith("packaged") and o["status"] == "timed"]
+        p_us = packaged[0] if packaged else None
+        table.add_row(str(tier), "partial" if info.get("partial") else str(info["tuned"]),
+                      f"{info['us']:.1f}" if "us" in info else "-", f"{p_us:.1f}" if p_us else "-",
+                      f"{info['us'] / p_us:.3f}" if p_us and "us" in info else "-",
+                      f"{info.get('timed', 0)}/{info.get('candidates', 0)}", info.get("note", ""))
+    console.print(table)
+    if result["resumed"]:
+        console.print(f"resumed {result['resumed']} earlier outcomes")
+    if result["out_of_time"]:
+        console.print("the budget ran out: run the same command again to continue where it stopped")

@@ -1,0 +1,143 @@
+"""The FlyDSL backend as a tune target.
+
+Candidates per token tier: the packaged tier's tiles, then alignment blocks and
+per-stage tiles around them, then the best stage 1 with the best stage 2. Each
+candidate's two kernels are compiled in a subprocess (an LLVM abort loses one
+config, not the run); a kernel that does not compile, or uses scratch
+(spills), is skipped. On an AMD GPU the candidates run there; without one the
+caller passes the CPU emulator as `launch` (and a fake clock to the loop),
+which is how CI runs the whole loop against compile-only builds.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from kimi_k3_moe.configs import user_tables
+from kimi_k3_moe.kernels.flydsl import pipeline, tiles
+from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
+from kimi_k3_moe.kernels.flydsl.tiles import Tier
+from kimi_k3_moe.tune.loop import TIMED, Candidate
+
+TIERS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+BMS = (16, 32, 64)
+STAGE1 = ({"waves": 4, "n_rep": 1, "kb_unroll": 1, "a_lds": False}, {"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": True},
+          {"waves": 2, "n_rep": 2, "kb_unroll": 2, "a_lds": False}, {"waves": 4, "n_rep": 1, "kb_unroll": 2, "a_lds": True})
+STAGE2 = ({"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": False}, {"waves": 4, "n_rep": 4, "kb_unroll": 1, "a_lds": True},
+          {"waves": 2, "n_rep": 2, "kb_unroll": 1, "a_lds": True}, {"waves": 4, "n_rep": 1, "kb_unroll": 1, "a_lds": False})
+
+
+def _key(t: Tier) -> str:
+    return json.dumps({"BM": t.BM, "stage1": t.stage1, "stage2": t.stage2}, sort_keys=True)
+
+
+class FlyDSLTarget:
+    backend = "flydsl"
+    bound = 1.5e-2  # bf16 weights on gfx942's int4 path, bf16 intermediate (tests/flydsl/test_emulation.py)
+
+    def __init__(self, shape, experts, activation, *, arch: str, identity: dict, launch=None,
+                 out_dir: str | Path, rocm=None, tiers=None, compiler=None, max_per_round: int | None = None):
+        """`launch(cfg, args)` runs a kernel (default: the GPU's); `compiler(cfg) -> (ok, why)` overrides the
+        subprocess build (tests use the real one)."""
+        self.shape, self.activation, self.arch, self.identity = shape, activation, arch, identity
+        self.backend_obj = FlyDSLBackend(arch=arch)
+        self.fmt = self.backend_obj.weight_format
+        self.prepared = self.backend_obj.prepare(experts)
+        self.launch = launch or self.backend_obj._launch
+        self.out_dir, self.rocm = Path(out_dir), rocm
+        self._tiers = list(tiers or TIERS)
+        self.compiler, self.max_per_round = compiler, max_per_round
+        self._compiled: dict[str, tuple[bool, str]] = {}
+
+    def tiers(self) -> list[int]:
+        return self._tiers
+
+    def table_extra(self) -> dict:
+        return {"target_arch": self.arch, "weight_format": self.fmt}
+
+    def _configs(self, tier: int, t: Tier):
+        s = self.shape
+        return tiles.stage_configs(self.arch, self.fmt, hidden=s.hidden, inter=s.inter, top_k=s.topk,
+                                   num_tokens=tier, activation=self.activation, has_offsets=self.prepared.has_offsets,
+                                   table=tiles.load_table({self.arch: [{"max_tokens": None, "BM": t.BM,
+                                                                         "stage1": t.stage1, "stage2": t.stage2}]}))
+
+    def candidates(self, tier: int, done: dict) -> list[Candidate]:
+        base = tiles.tier_for(self.arch, tier, tiles.default_table())
+        keep = {k: v for k, v in base.stage1.items() if k not in tiles.TILE_FIELDS}
+        keep2 = {k: v for k, v in base.stage2.items() if k not in tiles.TILE_FIELDS}
+        first = [Tier(tier, base.BM, base.stage1, base.stage2)]
+        first += [Tier(tier, bm, base.stage1, base.stage2) for bm in BMS if bm != base.BM]
+        first += [Tier(tier, base.BM, {**s1, **keep}, base.stage2) for s1 in STAGE1]
+        first += [Tier(tier, base.BM, base.stage1, {**s2, **keep2}) for s2 in STAGE2]
+        cands = [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} s1 {_tag(t.stage1)} s2 {_tag(t.stage2)}")
+                 for t in first]
+        cands = list({c.key: c for c in cands}.values())[:self.max_per_round or None]
+        timed = sorted((done[c.key]["us"], i) for i, c in enumerate(cands)
+                       if done.get(c.key, {}).get("status") == TIMED)
+        if timed:
+            best = cands[timed[0][1]].config
+            b1 = min(((done[c.key]["us"], c.config.stage1) for c in cands if c.config.BM == best.BM
+                      and c.config.stage2 == best.stage2 and done.get(c.key, {}).get("status") == TIMED),
+                     key=lambda x: x[0])[1]
+            b2 = min(((done[c.key]["us"], c.config.stage2) for c in cands if c.config.BM == best.BM
+                      and c.config.stage1 == best.stage1 and done.get(c.key, {}).get("status") == TIMED),
+                     key=lambda x: x[0])[1]
+            t = Tier(tier, best.BM, b1, b2)
+            cands.append(Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} best s1 + best s2"))
+        return cands
+
+    def compile(self, cand: Candidate) -> tuple[bool, str]:
+        try:
+            configs = self._configs(cand.tier, cand.config)
+        except ValueError as exc:
+            return False, f"invalid: {exc}"
+        for cfg in configs:
+            if cfg.name not in self._compiled:
+                self._compiled[cfg.name] = (self.compiler or self._build)(cfg)
+            ok, why = self._compiled[cfg.name]
+            if not ok:
+                return False, f"{cfg.name}: {why}"
+        return True, "compiled"
+
+    def _build(self, cfg) -> tuple[bool, str]:
+        from kimi_k3_moe.kernels.flydsl.build import compile_in_subprocess
+        res = compile_in_subprocess(cfg, self.out_dir, rocm=self.rocm)
+        if not res.ok:
+            return False, f"does not compile ({res.status}): {(res.llvm_errors or [res.log_tail[-200:]])[0]}"
+        scratch = res.report["isa"]["scratch_instructions"]
+        private = res.report["metadata"].get("private_segment_fixed_size", 0)
+        if scratch or private:
+            return False, f"spills: {scratch} scratch instructions, {private} B private segment"
+        return True, "compiled"
+
+    def runner(self, cand: Candidate):
+        configs = self._configs(cand.tier, cand.config)
+        return lambda hidden, weights, ids: pipeline.moe_forward(
+            self.prepared, hidden, weights, ids, self.activation, None, arch=self.arch, launch=self.launch,
+            configs=configs)
+
+    def reference_weights(self):
+        p = self.prepared
+        return lambda e: p.dequantize(e)[0], lambda e: p.dequantize(e)[1]
+
+    def packaged(self, tier: int) -> dict:
+        base = tiles.tier_for(self.arch, tier, tiles.default_table())
+        return {"config": {"BM": base.BM, "stage1": base.stage1, "stage2": base.stage2}}
+
+    def entries(self, chosen: dict) -> tuple[str, dict]:
+        rows = []
+        tiers = sorted(chosen)
+        for n, tier in enumerate(tiers):
+            cand, info = chosen[tier]
+            cfg = asdict(cand.config) if cand is not None else info["config"]
+            rows.append({"max_tokens": tier if n < len(tiers) - 1 else None, "BM": cfg["BM"],
+                         "stage1": cfg["stage1"], "stage2": cfg["stage2"], "tuned_at_tokens": tier,
+                         **{k: v for k, v in info.items() if k != "config"}})
+        s = self.shape
+        return user_tables.flydsl_shape_key(self.fmt, s.hidden, s.inter, s.topk), {"tiers": rows}
+
+
+def _tag(tile: dict) -> str:
+    return f"w{tile['waves']}n{tile['n_rep']}u{tile['kb_unroll']}{'L' if tile['a_lds'] else ''}"

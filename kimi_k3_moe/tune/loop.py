@@ -1,0 +1,154 @@
+"""The tune loop, the same for every backend.
+
+Per token tier: ask the target for candidates (in rounds: a target may propose
+combinations of the best so far), skip those that do not compile or spill,
+check each survivor on fresh random data against the float reference (the
+model's SiTUv2, which must differ from SiLU), time it with the bench's one
+method, and keep the fastest. Every outcome goes to a state file after each
+candidate, so an interrupted run resumes where it stopped; the whole run is
+bounded by a budget. Tiers left untuned take the packaged table's config and
+say so. The table is written by `configs.user_tables.write`, the one writer.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+
+from kimi_k3_moe import __version__
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.bench.check import REL_L2_BOUND, judge
+from kimi_k3_moe.bench.data import random_hidden, random_routing
+from kimi_k3_moe.reference import dense_moe
+
+SKIPPED, REJECTED, TIMED, FAILED = "skipped", "rejected", "timed", "failed"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    tier: int
+    key: str        # stable text of the config (state and table key)
+    config: Any
+    label: str
+
+
+class Target(Protocol):
+    backend: str
+    shape: Any
+    identity: dict
+
+    def tiers(self) -> list[int]: ...
+    def candidates(self, tier: int, done: dict[str, dict]) -> list[Candidate]: ...
+    def compile(self, cand: Candidate) -> tuple[bool, str]: ...
+    def runner(self, cand: Candidate) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]: ...
+    def reference_weights(self) -> tuple[Callable, Callable]: ...
+    def packaged(self, tier: int) -> dict: ...
+    def entries(self, chosen: dict[int, tuple[Candidate | None, dict]]) -> tuple[str, Any]: ...
+    def table_extra(self) -> dict: ...
+
+
+class State:
+    """Outcomes per tier and candidate key, on disk after every candidate (resume)."""
+
+    def __init__(self, path: Path, fingerprint: dict):
+        self.path, self.fingerprint = Path(path), fingerprint
+        self.results: dict[str, dict[str, dict]] = {}
+        self.resumed = 0
+        if self.path.is_file():
+            try:
+                data = json.loads(self.path.read_text())
+                if data.get("fingerprint") == fingerprint:
+                    self.results = data["results"]
+                    self.resumed = sum(len(v) for v in self.results.values())
+            except (OSError, ValueError, KeyError):
+                pass  # a broken state file only costs a fresh start
+
+    def tier(self, tier: int) -> dict[str, dict]:
+        return self.results.setdefault(str(tier), {})
+
+    def record(self, cand: Candidate, outcome: dict) -> None:
+        self.tier(cand.tier)[cand.key] = outcome
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "results": self.results}, indent=1))
+        tmp.replace(self.path)
+
+
+def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, state_path: Path, device,
+         seed: int, clock: Callable[[], float] = time.monotonic, progress=None) -> dict:
+    """Run the loop; returns {"path": table written, "tiers": {tier: summary}, "state": ..}."""
+    from kimi_k3_moe.configs import user_tables
+    shape = target.shape
+    fingerprint = {"backend": target.backend, "device": target.identity, "package": __version__,
+                   "shape": shape.to_json(), "activation": str(activation),
+                   **target.table_extra()}
+    state = State(state_path, fingerprint)
+    deadline = clock() + budget_s
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13_of, w2_of = target.reference_weights()
+    silu = ActivationSpec.silu()
+    out_of_time = False
+    chosen: dict[int, tuple[Candidate | None, dict]] = {}
+    for tier in target.tiers():
+        done = state.tier(tier)
+        hidden = random_hidden(tier, shape.hidden, device, gen)  # fresh data every run, every tier
+        weights, ids = random_routing(tier, shape.num_experts, shape.topk, device, gen)
+        ref = silu_ref = None
+        seen: dict[str, Candidate] = {}
+        while True:
+            fresh = [c for c in target.candidates(tier, done) if c.key not in seen]
+            if not fresh:
+                break
+            for cand in fresh:
+                seen[cand.key] = cand
+                if cand.key in done or out_of_time:  # measured before (resume), or no time left
+                    continue
+                if clock() > deadline:
+                    out_of_time = True
+                    continue
+                if progress:
+                    progress(cand)
+                ok, why = target.compile(cand)
+                if not ok:
+                    state.record(cand, {"status": SKIPPED, "why": why, "label": cand.label})
+                    continue
+                try:
+                    run = target.runner(cand)
+                    out = run(hidden, weights, ids)
+                    if ref is None:
+                        ref = dense_moe(hidden, w13_of, w2_of, weights, ids, activation, compute_dtype=torch.float32)
+                        silu_ref = dense_moe(hidden, w13_of, w2_of, weights, ids, silu, compute_dtype=torch.float32)
+                    verdict = judge(out, ref, silu_ref, getattr(target, "bound", REL_L2_BOUND))
+                    if not verdict.ok:
+                        state.record(cand, {"status": REJECTED, "why": verdict.why, "rel_l2": verdict.rel_l2,
+                                            "label": cand.label})
+                        continue
+                    if hasattr(timer, "label"):
+                        timer.label = cand.label
+                    t = timer.time(lambda: run(hidden, weights, ids))
+                    state.record(cand, {"status": TIMED, "us": t["median_us"], "rel_l2": verdict.rel_l2,
+                                        "label": cand.label})
+                except Exception as exc:  # a candidate that fails at run time is one outcome, not the end
+                    state.record(cand, {"status": FAILED, "why": f"{type(exc).__name__}: {exc}"[:300],
+                                        "label": cand.label})
+        timed = [(o["us"], k) for k, o in done.items() if o["status"] == TIMED and k in seen]
+        if timed:
+            us, key = min(timed)
+            info = {"tuned": True, "us": us, "candidates": len(seen), "timed": len(timed)}
+            if not all(k in done for k in seen):
+                info["partial"] = True  # the budget ran out inside this tier: the best so far
+            chosen[tier] = (seen[key], info)
+        else:
+            chosen[tier] = (None, {"tuned": False, "note": "budget ran out" if out_of_time
+                                   else "no candidate passed", **target.packaged(tier)})
+    key, entry = target.entries(chosen)
+    path = user_tables.write(target.backend, target.identity, target.tiers(), {key: entry},
+                             extra=target.table_extra())
+    return {"path": str(path), "key": key, "resumed": state.resumed, "out_of_time": out_of_time,
+            "tiers": {t: info for t, (c, info) in chosen.items()},
+            "outcomes": state.results}
+

@@ -1,0 +1,135 @@
+"""`kimi-k3-moe bench` on the CPU: the row runner, its checks, the table and the JSON.
+
+The GPU timer is replaced by a fake clock (no GPU here). The engines' peers
+cannot run on a CPU; their adapters must say so instead of failing. Nothing
+here fakes aiter or Humming: the test peers below are plain functions of this
+file, named as such.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.bench import report
+from kimi_k3_moe.bench.peers import OTHER, Peer, Runner, make_ours, make_peer
+from kimi_k3_moe.bench.peers.align import align_block_size
+from kimi_k3_moe.bench.peers.humming import humming_activation
+from kimi_k3_moe.bench.runner import run_bench
+from kimi_k3_moe.bench.shapes import NAMED, parse_shape
+from kimi_k3_moe.bench.timing import FakeClock
+from kimi_k3_moe.reference import moe_forward
+
+SITU = ActivationSpec.situv2(4.0, 25.0)
+
+
+class SiluPeer(Peer):
+    """A peer that ignores the requested activation (runs SiLU): must be reported wrong, not timed."""
+
+    name, role, label = "silu_peer", OTHER, "test peer computing SiLU"
+
+    def probe(self):
+        return True, "test"
+
+    def build(self, experts, activation, shape, expert_map):
+        silu = ActivationSpec.silu()
+        return Runner(run=lambda h, routed: moe_forward(h, *experts.tensors(), *routed, silu),
+                      activation=activation)
+
+
+class AbsentPeer(Peer):
+    name, role, label = "absent", OTHER, "not installed"
+
+    def probe(self):
+        return False, "engine path: not available (not installed)"
+
+    def build(self, *a):
+        raise AssertionError("never built")
+
+
+def test_rows_are_checked_then_timed_and_reported(seed, tmp_path):
+    clock = FakeClock(lambda label: 10.0)
+    peers = [make_ours("torch"), SiluPeer(), AbsentPeer(), make_peer("aiter"), make_peer("humming")]
+    result = run_bench(peers, NAMED["tiny"], [1, 7], SITU, clock, device="cpu", seed=seed,
+                       ceilings={"copy_GBps": 100.0, "bf16_TFLOPs": 1.0})
+    assert [r["tokens"] for r in result["rows"]] == [1, 7]
+    for row in result["rows"]:
+        ours = row["results"]["ours_torch_mxfp4"]
+        assert ours["status"] == "ok" and ours["rel_l2"] < 1e-2 and ours["median_us"] == 10.0
+        assert ours["x_floor"] == 10.0 / row["floor_us"] and ours["x_best_other"] is None
+        wrong = row["results"]["silu_peer"]
+        assert wrong["status"] == "wrong" and "median_us" not in wrong and "SiLU" in wrong["why"]
+        assert "absent" not in row["results"] and "aiter" not in row["results"]
+    for name in ("aiter", "humming", "absent"):
+        assert not result["entries"][name]["available"]
+        assert result["entries"][name]["found"].startswith("engine path: not available (")
+    lines = report.table_rows(result)
+    assert lines[0][:2] == ("1", "floor") and lines[1][1] == "ours_torch_mxfp4" and lines[1][2] == "10.0"
+    assert lines[2][1:3] == ("silu_peer", "WRONG")
+    assert len(lines) == 6 and all(len(line) == len(report.COLUMNS) for line in lines)
+    path = report.write_json(tmp_path / "r.json", dict(result, info={"device": {"name": "cpu"}}))
+    back = json.loads(path.read_text())
+    assert set(back) >= {"shape", "activation", "timing", "ceilings", "entries", "rows", "info", "seed"}
+    assert "fake clock" in back["timing"]
+    report.render(back)
+
+
+def test_alignment_matches_its_contract(gen):
+    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(11)]).int()
+    block = 4
+    sorted_ids, expert_ids, padded = align_block_size(ids, block, 8)
+    flat = ids.reshape(-1).tolist()
+    n = len(flat)
+    total = int(padded)
+    assert total % block == 0 and sorted(x for x in sorted_ids[:total].tolist() if x != n) == list(range(n))
+    for b in range(total // block):
+        rows = [x for x in sorted_ids[b * block:(b + 1) * block].tolist() if x != n]
+        assert rows and all(flat[x] == int(expert_ids[b]) for x in rows)
+    assert all(x == n for x in sorted_ids[total:].tolist())
+
+
+def test_humming_activation_snippet_carries_the_betas_and_differs_from_silu():
+    situ = humming_activation(SITU)
+    silu = humming_activation(ActivationSpec.silu())
+    assert situ["activation_type"] == silu["activation_type"] == "binary_split"
+    assert "(4.0f)" in situ["activation_impl"] and "(25.0f)" in situ["activation_impl"]
+    assert situ["activation_impl"] != silu["activation_impl"]
+    no_linear = humming_activation(ActivationSpec.situv2(2.0, None))["activation_impl"]
+    assert "(2.0f)" in no_linear and "const float u = b;" in no_linear
+
+
+def test_shapes_parse_and_refuse_with_a_message():
+    assert parse_shape("tp16").inter == 192 and parse_shape("ep16").is_ep
+    assert parse_shape("3584,384,896,16").num_experts == 896
+    for bad, words in (("3584,384", "H,I,E,K"), ("3584,383,896,16", "multiples"), ("256,64,8,9", "top-k")):
+        try:
+            parse_shape(bad)
+        except ValueError as exc:
+            assert words in str(exc)
+        else:
+            raise AssertionError(bad)
+
+
+def test_expert_parallel_rows_sum_only_the_rank_s_experts(seed):
+    from kimi_k3_moe.bench.shapes import Shape
+    shape = Shape("tiny_ep", 256, 64, 8, topk=2, local_experts=4)
+    result = run_bench([make_ours("torch"), make_peer("torch")], shape, [5], SITU, FakeClock(lambda label: 1.0),
+                       device="cpu", seed=seed, ceilings={"copy_GBps": 100.0, "bf16_TFLOPs": 1.0})
+    row = result["rows"][0]
+    assert row["results"]["ours_torch_mxfp4"]["status"] == "ok"
+    assert row["distinct_experts"] <= 4
+
+
+def test_commands_refuse_bad_input_and_a_missing_gpu_with_one_line(capsys):
+    from kimi_k3_moe.cli import main
+    assert main(["bench", "--shape", "3584,384"]) == 2
+    assert "H,I,E,K" in capsys.readouterr().err
+    assert main(["bench", "--tokens", "1,x"]) == 2
+    assert "--tokens" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--shape", "tiny"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "no GPU" in err
+        assert main(["tune", "--backend", "triton", "--shape", "tiny"]) == 2
+        assert "no GPU" in capsys.readouterr().err

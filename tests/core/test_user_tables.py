@@ -1,0 +1,125 @@
+"""User tables (`kimi-k3-moe tune`): one serves only where it was measured; anything else is refused
+with a one-line message and the packaged table serves."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kimi_k3_moe import __version__
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.configs import triton_table as tt
+from kimi_k3_moe.configs import user_tables
+from kimi_k3_moe.kernels.flydsl import tiles
+
+H, I, E = 256, 64, 8
+TIERS = [1, 4]
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path))
+    user_tables.clear_cache()
+    yield tmp_path
+    user_tables.clear_cache()
+
+
+def triton_entries(block_m=32):
+    cfg = tt.heuristic_config(H, I, 64, is_cuda=False)
+    cfg = tt.MoEConfig.from_json({**cfg.to_json(), "block_m": block_m})
+    return {tt.shape_key("mxfp4", E, 2 * I, H): {"tiers": {str(t): {**cfg.to_json(), "tuned": True} for t in TIERS}}}
+
+
+def lookup(t=3):
+    return tt.lookup("interpreter", "mxfp4", E, H, I, t, is_cuda=False)
+
+
+def test_default_folder_is_under_the_xdg_cache():
+    assert user_tables.table_dir({"XDG_CACHE_HOME": "/c"}) == user_tables.Path("/c/kimi-k3-moe/tables")
+    assert user_tables.table_dir({"KIMI_K3_MOE_TABLES": "/t", "XDG_CACHE_HOME": "/c"}) == user_tables.Path("/t")
+
+
+def test_a_valid_table_serves_its_exact_shape_only(tables):
+    path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries(block_m=32))
+    found = lookup()
+    assert found.source == f"user table {path} mxfp4/E{E}_N{2 * I}_K{H} tier 4" and found.config.block_m == 32
+    other = tt.lookup("interpreter", "mxfp4", E + 8, H, I, 3, is_cuda=False)  # another expert count
+    assert not other.source.startswith("user table")
+    assert user_tables.describe("triton").startswith(f"user table {path}")
+
+
+def rewrite(path, **changes):
+    table = json.loads(path.read_text())
+    for key, value in changes.items():
+        if key == "device_name":
+            table["device"]["name"] = value
+        elif key == "drop_tier":
+            for entry in table["entries"].values():
+                del entry["tiers"][value]
+        else:
+            table[key] = value
+    path.write_text(json.dumps(table))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("corrupt", "not valid JSON"),
+    ("device", "tuned on 'NVIDIA H100'"),
+    ("version", "written by kimi-k3-moe '0.0.1'"),
+    ("tiers", "lacks token tiers [4]"),
+    ("schema", "not a kimi-k3-moe user table"),
+    ("config", "invalid config"),
+])
+def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, damage, message):
+    path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries())
+    if damage == "corrupt":
+        path.write_text(path.read_text()[:-40])
+    elif damage == "device":
+        rewrite(path, device_name="NVIDIA H100")
+    elif damage == "version":
+        rewrite(path, package_version="0.0.1")
+    elif damage == "tiers":
+        rewrite(path, drop_tier="4")
+    elif damage == "schema":
+        rewrite(path, schema="something-else")
+    else:
+        table = json.loads(path.read_text())
+        next(iter(table["entries"].values()))["tiers"]["1"]["stage1"]["block_k"] = 96
+        path.write_text(json.dumps(table))
+    user_tables.clear_cache()
+    with caplog.at_level("WARNING", logger="kimi_k3_moe"):
+        found = lookup()
+    assert not found.source.startswith("user table")  # the packaged rule serves
+    assert message in caplog.text and str(path) in caplog.text and "the packaged table serves" in caplog.text
+    assert len([r for r in caplog.records if "user table" in r.getMessage()]) == 1  # once, not per lookup
+    assert user_tables.describe("triton").startswith("packaged table (") and message in user_tables.describe("triton")
+    assert __version__
+
+
+def test_flydsl_user_table_is_read_by_the_tile_lookup_for_its_arch_and_shape(tables):
+    rows = [{"max_tokens": 4, "BM": 32, "stage1": {"waves": 2, "n_rep": 1, "kb_unroll": 1, "a_lds": False},
+             "stage2": {"waves": 2, "n_rep": 2, "kb_unroll": 1, "a_lds": False}, "tuned_at_tokens": 4},
+            {"max_tokens": None, "BM": 64, "stage1": {"waves": 4, "n_rep": 1, "kb_unroll": 1, "a_lds": False},
+             "stage2": {"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": False}, "tuned_at_tokens": 16}]
+    key = user_tables.flydsl_shape_key("int4", H, 128, 4)
+    user_tables.write("flydsl", user_tables.device_identity(), [4, 16], {key: {"tiers": rows}},
+                      extra={"target_arch": "gfx942"})
+    situ = ActivationSpec.situv2(4.0, 25.0)
+    s1, s2 = tiles.stage_configs("gfx942", "int4", hidden=H, inter=128, top_k=4, num_tokens=3, activation=situ)
+    assert s1.BM == 32 and s1.waves == 2
+    s1, _ = tiles.stage_configs("gfx942", "int4", hidden=H, inter=128, top_k=4, num_tokens=100, activation=situ)
+    assert s1.BM == 64
+    # another arch or shape: the packaged tiles
+    p1, _ = tiles.stage_configs("gfx950", "mxfp4", hidden=H, inter=128, top_k=4, num_tokens=3, activation=situ)
+    assert p1.BM == tiles.tier_for("gfx950", 3).BM
+    p1, _ = tiles.stage_configs("gfx942", "int4", hidden=H, inter=256, top_k=4, num_tokens=3, activation=situ)
+    assert p1.BM == tiles.tier_for("gfx942", 3).BM
+
+
+def test_doctor_and_the_plugin_log_line_name_the_serving_table(tables):
+    from kimi_k3_moe import doctor
+    from kimi_k3_moe.plugin_entrypoints import common
+    assert common._table_line("triton[mxfp4]").startswith("packaged table (no user table at ")
+    path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries())
+    assert common._table_line("triton[mxfp4]").startswith(f"user table {path}")
+    assert doctor._tables_line("triton").startswith(f"tiles: user table {path}")
+    assert common._table_line("torch[mxfp4]") is None  # its log line stays as it was

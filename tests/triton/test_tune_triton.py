@@ -1,0 +1,110 @@
+"""`kimi-k3-moe tune --backend triton` end to end under the interpreter at a tiny shape.
+
+The loop is the real one (candidates from tuning_space, the reference check,
+the table writer, dispatch reading the table back); the GPU timer is replaced
+by a fake clock (no GPU here) that makes the deliberately wrong candidate the
+fastest, so only the reference check can keep it out of the table.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.bench.data import random_experts
+from kimi_k3_moe.bench.shapes import NAMED
+from kimi_k3_moe.bench.timing import FakeClock
+from kimi_k3_moe.configs import triton_table as tt
+from kimi_k3_moe.configs import user_tables
+from kimi_k3_moe.kernels import get_backend
+from kimi_k3_moe.tune.loop import REJECTED, SKIPPED, TIMED, Candidate, tune
+from kimi_k3_moe.tune.triton_target import TritonTarget
+
+SITU = ActivationSpec.situv2(4.0, 25.0)
+SHAPE = NAMED["tiny"]
+TIERS = [1, 4]
+
+
+class Rigged(TritonTarget):
+    """The real target, limited to a few candidates, plus one that does not compile (block_k does not
+    divide K) and one that ignores the activation (runs SiLU: defect class 1)."""
+
+    def candidates(self, tier, done):
+        real = super().candidates(tier, done)[:2]
+        base = real[0].config
+        bad = replace(base, stage1=replace(base.stage1, block_k=96))
+        wrong = replace(base, stage2=replace(base.stage2, num_warps=2 if base.stage2.num_warps != 2 else 4))
+        return real + [Candidate(tier, "bad-" + real[0].key, bad, f"T{tier} does-not-compile"),
+                       Candidate(tier, "wrong-" + real[0].key, wrong, f"T{tier} wrong-activation")]
+
+    def runner(self, cand):
+        if "wrong-activation" in cand.label:
+            be = get_backend("triton", weight_format=self.fmt, config=cand.config)
+            return lambda h, w, i: be.forward(self.prepared, h, w, i, ActivationSpec.silu(), None)
+        return super().runner(cand)
+
+
+def fake_time(label: str) -> float:
+    return 5.0 if "wrong" in label else 50.0 + len(label) % 7
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path / "tables"))
+    user_tables.clear_cache()
+    yield tmp_path
+    user_tables.clear_cache()
+
+
+def make_target(seed, **kw):
+    experts = random_experts(SHAPE.num_experts, SHAPE.hidden, SHAPE.inter, "cpu", torch.Generator().manual_seed(seed))
+    return Rigged(SHAPE, experts, SITU, identity=user_tables.device_identity(), tiers=TIERS, **kw)
+
+
+def test_tune_skips_rejects_writes_and_dispatch_reads_back_then_resumes(tables, seed):
+    state = tables / "state.json"
+    target = make_target(seed)
+    result = tune(target, SITU, FakeClock(fake_time), budget_s=1e9, state_path=state, device="cpu", seed=seed)
+    for tier in TIERS:
+        outcomes = {o["label"]: o for o in result["outcomes"][str(tier)].values()}
+        assert outcomes[f"T{tier} does-not-compile"]["status"] == SKIPPED
+        assert "block_k" in outcomes[f"T{tier} does-not-compile"]["why"]
+        wrong = outcomes[f"T{tier} wrong-activation"]
+        assert wrong["status"] == REJECTED and "SiLU" in wrong["why"], wrong
+        assert sum(o["status"] == TIMED for o in outcomes.values()) == 2
+        assert result["tiers"][tier]["tuned"] and result["tiers"][tier]["us"] >= 50.0  # not the wrong one
+
+    # dispatch: the backend's own lookup now takes the user table for this shape
+    from kimi_k3_moe.kernels.triton import backend as tb
+    tb._cached_lookup_inner.cache_clear()
+    be = get_backend("triton")
+    prepared = be.prepare(target.experts)
+    found = be.lookup(prepared, 3)
+    assert found.source.startswith(f"user table {user_tables.table_path('triton', 'interpreter')}"), found.source
+    assert found.source.endswith("tier 4")
+    assert user_tables.describe("triton").startswith("user table ")
+
+    # resume: a second run measures nothing again
+    calls = []
+    again = make_target(seed)
+    run = again.runner
+    again.runner = lambda cand: calls.append(cand.label) or run(cand)
+    second = tune(again, SITU, FakeClock(fake_time), budget_s=1e9, state_path=state, device="cpu", seed=seed + 1)
+    assert second["resumed"] == 8 and calls == []
+    tb._cached_lookup_inner.cache_clear()
+
+
+def test_budget_zero_leaves_packaged_configs_marked_untuned(tables, seed):
+    target = make_target(seed)
+    result = tune(target, SITU, FakeClock(fake_time), budget_s=-1, state_path=tables / "s.json", device="cpu",
+                  seed=seed)
+    assert result["out_of_time"]
+    table, _ = user_tables.load("triton")
+    entry = table["entries"][result["key"]]
+    for tier in TIERS:
+        row = entry["tiers"][str(tier)]
+        assert row["tuned"] is False and row["note"] == "budget ran out"
+        packaged = tt.MoEConfig.from_json(target.packaged(tier)["config"])
+        assert tt.MoEConfig.from_json(row) == packaged
