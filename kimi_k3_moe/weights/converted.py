@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from kimi_k3_moe import __version__
+from kimi_k3_moe import __version__, settings
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.weights.checkpoint import CheckpointReader, read_layer_experts
 from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
@@ -54,7 +54,7 @@ FORMAT_VERSION = 1
 RECORD_FILE = "kimi_k3_moe_int4.json"
 PARTIAL_FILE = "kimi_k3_moe_int4.partial.json"  # progress of an unfinished conversion
 CONVERTED_DIRNAME = "kimi_k3_moe_int4"
-ENV_CONVERTED = "KIMI_K3_MOE_CONVERTED"
+ENV_CONVERTED = settings.CONVERTED
 TARGETS = ("gfx942",)  # archs whose kernels read int4 (dispatch.INT4_ARCHS)
 LAYOUT = ("int4 v1 (docs/FORMATS.md): w13 [E, 2I/tp, H/2] gate rows first, w2 [E, H, I/tp/2]; "
           "rank r holds intermediate rows [r*I/tp, (r+1)*I/tp) of w1 and w3 and those columns of w2")
@@ -271,8 +271,10 @@ def open_converted(path: str | Path) -> ConvertedCheckpoint:
 def converted_location(model_dir: str | Path | None, env: Mapping[str, str] | None = None
                        ) -> tuple[Path | None, bool]:
     """(where to look, whether the user named it explicitly)."""
-    env = os.environ if env is None else env
-    explicit = env.get(ENV_CONVERTED, "").strip()
+    try:
+        explicit = settings.path(ENV_CONVERTED, env)
+    except settings.SettingError as exc:
+        raise ConvertedCheckpointError(str(exc)) from None
     if explicit:
         return Path(explicit), True
     if model_dir is None:

@@ -1,0 +1,134 @@
+"""Load-time validation of a layer's expert tensors, before any kernel sees them.
+
+A NaN e8m0 scale byte (0xFF) or a scale so large that the decoded weights
+overflow turns every output row routed to that expert into NaN/inf on the
+kernel paths, silently, and the self-check samples a few experts only. So
+every expert's tensors are scanned here, on the device they are on, a chunk
+of experts at a time (comparisons on bytes: cheap next to reading them).
+
+The rule for MXFP4 scale bytes `b` (docs/FORMATS.md, "Scale bytes refused
+at load"):
+- `b == 0xFF` is NaN: refused anywhere (0 x NaN is NaN).
+- `b > MAX_SCALE_BYTE` (222, 0xDE) in a block with any nonzero code is
+  refused. A decoded weight is at most 6 x 2^(b-127) < 2^(b-124); one
+  element stays finite in bf16 up to b = 252, but the kernels sum K <= 2^13
+  products with bf16 activations that we allow up to 2^16, so the K-sum
+  stays below 2^(b-124+13+16) = 2^(b-95), inside bf16's and fp32's finite
+  range (< 2^128) for b <= 222. Trained weights sit near b = 120.
+Pre-converted int4 experts: scales (and offsets) must be finite.
+
+`KIMI_K3_MOE_VALIDATE_WEIGHTS=off` skips the scan (documented in README).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kimi_k3_moe import settings
+from kimi_k3_moe.formats import mxfp4
+
+NAN_BYTE = mxfp4.E8M0_NAN
+MAX_SCALE_BYTE = 222
+CHUNK_BYTES = 64 << 20
+OPT_OUT = f"set {settings.VALIDATE_WEIGHTS}=off to load anyway"
+
+
+class WeightValidationError(ValueError):
+    """A layer's expert tensors would make the kernels compute NaN/inf or garbage."""
+
+
+def validate_experts(experts: Any, *, layer: str = "", env: Mapping[str, str] | None = None,
+                     chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Raise WeightValidationError naming layer, expert, tensor, byte and count; no-op when opted out."""
+    if settings.choice(settings.VALIDATE_WEIGHTS, env) == "off":
+        return
+    problems = find_problems(experts, layer=layer, chunk_bytes=chunk_bytes)
+    if problems:
+        raise WeightValidationError("; ".join(problems) + f" ({OPT_OUT})")
+
+
+def find_problems(experts: Any, *, layer: str = "", chunk_bytes: int = CHUNK_BYTES) -> list[str]:
+    """One message per (tensor, kind of problem); empty when the experts are fit to serve."""
+    where = f"{layer}: " if layer else ""
+    if hasattr(experts, "w13_scale"):
+        try:
+            experts.validate()  # dtypes and shapes (cheap; the tensors may have been swapped since)
+        except (TypeError, ValueError) as exc:
+            return [f"{where}{exc}"]
+        inter = experts.intermediate_size
+        return [where + p for field, packed, scale in (("w13", experts.w13_packed, experts.w13_scale),
+                                                       ("w2", experts.w2_packed, experts.w2_scale))
+                for p in _scan_mxfp4(field, packed, scale, inter, chunk_bytes)]
+    if hasattr(experts, "w13") and hasattr(experts.w13, "scales"):
+        return [where + p for field, w in (("w13", experts.w13), ("w2", experts.w2))
+                for kind in ("scales", "offsets") if getattr(w, kind, None) is not None
+                for p in _scan_finite(f"{field}.{kind}", getattr(w, kind), chunk_bytes)]
+    raise TypeError(f"cannot validate experts of type {type(experts).__name__}")
+
+
+def _checkpoint_name(field: str, row: int, inter: int) -> str:
+    if field == "w2":
+        return f"checkpoint w2 (down) row {row}"
+    return f"checkpoint w1 (gate) row {row}" if row < inter else f"checkpoint w3 (up) row {row - inter}"
+
+
+def _experts_per_chunk(t: torch.Tensor, chunk_bytes: int) -> int:
+    per_expert = max(1, t[0].numel() * t.element_size()) if t.shape[0] else 1
+    return max(1, chunk_bytes // (4 * per_expert))  # headroom for the boolean temporaries
+
+
+def _scan_mxfp4(field: str, packed: torch.Tensor, scale: torch.Tensor, inter: int,
+                chunk_bytes: int) -> list[str]:
+    nan_per_expert, high_per_expert = [], []
+    step = _experts_per_chunk(packed, chunk_bytes)
+    for e0 in range(0, scale.shape[0], step):
+        s = scale[e0:e0 + step]
+        nan = s == NAN_BYTE
+        high = (s > MAX_SCALE_BYTE) & ~nan
+        counts = torch.stack([nan.flatten(1).sum(1), high.flatten(1).sum(1)]).cpu()  # one sync per chunk
+        if counts[1].any():  # rare: only then look at the codes
+            blocks = packed[e0:e0 + step].unflatten(-1, (-1, mxfp4.BLOCK_SIZE // 2))
+            high &= ((blocks & 0x77) != 0).any(-1)
+            counts[1] = high.flatten(1).sum(1).cpu()
+        nan_per_expert.append(counts[0])
+        high_per_expert.append(counts[1])
+    if not nan_per_expert:
+        return []
+    problems = []
+    for counts, kind in ((torch.cat(nan_per_expert), "nan"), (torch.cat(high_per_expert), "high")):
+        bad = counts.nonzero().flatten().tolist()
+        if not bad:
+            continue
+        e = bad[0]
+        mask = scale[e] == NAN_BYTE if kind == "nan" else (scale[e] > MAX_SCALE_BYTE) & (scale[e] != NAN_BYTE)
+        if kind == "high":
+            mask &= ((packed[e].unflatten(-1, (-1, mxfp4.BLOCK_SIZE // 2)) & 0x77) != 0).any(-1)
+        row, block = (int(v) for v in mask.nonzero()[0].tolist())
+        byte = int(scale[e, row, block])
+        what = (f"{int(counts[e])} NaN scale byte(s) 0xFF" if kind == "nan" else
+                f"{int(counts[e])} scale byte(s) above 0x{MAX_SCALE_BYTE:X} in blocks with nonzero codes "
+                f"(decoded weights up to 6 x 2^({byte}-127) overflow the kernels' bf16/fp32 sums)")
+        others = f"; {len(bad) - 1} more expert(s) of this layer too: {bad[1:9]}" if len(bad) > 1 else ""
+        problems.append(f"expert {e} tensor {field}_scale holds {what}, first 0x{byte:02X} at "
+                        f"[row {row}, block {block}] = {_checkpoint_name(field, row, inter)}{others}")
+    return problems
+
+
+def _scan_finite(field: str, t: torch.Tensor, chunk_bytes: int) -> list[str]:
+    per_expert = []
+    step = _experts_per_chunk(t, chunk_bytes)
+    for e0 in range(0, t.shape[0], step):
+        per_expert.append((~torch.isfinite(t[e0:e0 + step])).flatten(1).sum(1).cpu())
+    if not per_expert:
+        return []
+    counts = torch.cat(per_expert)
+    bad = counts.nonzero().flatten().tolist()
+    if not bad:
+        return []
+    e = bad[0]
+    first = [int(v) for v in (~torch.isfinite(t[e])).nonzero()[0].tolist()]
+    others = f"; {len(bad) - 1} more expert(s) too: {bad[1:9]}" if len(bad) > 1 else ""
+    return [f"expert {e} tensor {field} holds {int(counts[e])} non-finite value(s), first "
+            f"{float(t[e][tuple(first)])} at {first}{others}"]
