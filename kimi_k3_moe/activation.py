@@ -21,7 +21,7 @@ SITUV2 = "situv2"
 HF_ACTIVATION_NAMES = {"silu": SILU, "situ": SITUV2, "situv2": SITUV2}
 
 
-class UnsupportedActivationError(ValueError):
+class UnsupportedActivationError(ConfigError):
     """An activation this package does not implement (it never substitutes another)."""
 
 
@@ -134,8 +134,10 @@ class ActivationSpec:
                 f"hidden_act is {act!r} but activation_situ_beta is missing; "
                 "refusing to guess (engines disagree on its default)"
             )
-        return cls.situv2(fields["activation_situ_beta"],
-                          fields.get("activation_situ_linear_beta"))
+        try:
+            return cls.situv2(fields["activation_situ_beta"], fields.get("activation_situ_linear_beta"))
+        except ValueError as exc:
+            raise ConfigError(f"HF config: {exc}") from None
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.name == SILU:

@@ -184,7 +184,13 @@ class ConvertedCheckpoint:
         if path.stat().st_size != entry["size"]:
             raise ConvertedCheckpointError(f"{path} is {path.stat().st_size} bytes, the record says "
                                            f"{entry['size']}: truncated or replaced since conversion")
-        with safe_open(path, framework="pt") as f:
+        try:
+            handle = safe_open(path, framework="pt")
+        except BaseException as exc:  # safetensors' own error types, or a Rust panic
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ConvertedCheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+        with handle as f:
             meta = f.metadata() or {}
             expected = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "method": self.method,
                         "layer": str(layer), "tp_rank": str(tp_rank), "tp_size": str(self.tp_size),
