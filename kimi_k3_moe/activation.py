@@ -139,6 +139,13 @@ class ActivationSpec:
         except ValueError as exc:
             raise ConfigError(f"HF config: {exc}") from None
 
+    def defaults_note(self) -> str:
+        """What was decided for a field the config left out ("" when nothing was): for logs and doctor."""
+        if self.name == SITUV2 and self.linear_beta is None:
+            return ("no activation_situ_linear_beta in the config: the up half passes unchanged "
+                    "(identity, linear_beta=None), as SiTUv2 defines")
+        return ""
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.name == SILU:
             return silu_and_mul(x)

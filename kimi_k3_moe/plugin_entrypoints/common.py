@@ -81,8 +81,9 @@ def log_serving_once(engine: str, backend: str, activation: ActivationSpec) -> N
         if key in _logged:
             return
         _logged.add(key)
-    logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s",
-                __version__, engine, backend, activation)
+    note = activation.defaults_note()
+    logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s%s",
+                __version__, engine, backend, activation, f" ({note})" if note else "")
 
 
 def converted_source(

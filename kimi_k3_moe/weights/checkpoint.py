@@ -130,6 +130,24 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def shard_of(self, name: str) -> Path | None:
+        return self._where.get(name)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype such as "U8", shape) of a tensor, read from its shard's header only."""
+        shard = self._where.get(name)
+        if shard is None:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.path}")
+        try:
+            view = self._handle(shard).get_slice(name)
+            return view.get_dtype(), tuple(view.get_shape())
+        except CheckpointError:
+            raise
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"tensor {name!r} in {shard} cannot be read: {_one_line(exc)}") from None
+
     def get(self, name: str) -> torch.Tensor:
         shard = self._where.get(name)
         if shard is None:

@@ -374,6 +374,8 @@ def convert_checkpoint(
     if method not in int4.METHODS:
         raise ConvertedCheckpointError(f"unknown int4 method {method!r}; choose one of {int4.METHODS}")
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConvertedCheckpointError(f"--out {out_dir} is an existing file, not a folder")
     if out_dir.resolve() == model_dir.resolve():
         raise ConvertedCheckpointError(f"--out {out_dir} is the model folder itself; use a folder of its "
                                        f"own, e.g. {model_dir / CONVERTED_DIRNAME}")
