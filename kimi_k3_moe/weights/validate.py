@@ -76,44 +76,45 @@ def _checkpoint_name(field: str, row: int, inter: int) -> str:
 
 def _experts_per_chunk(t: torch.Tensor, chunk_bytes: int) -> int:
     per_expert = max(1, t[0].numel() * t.element_size()) if t.shape[0] else 1
-    return max(1, chunk_bytes // (4 * per_expert))  # headroom for the boolean temporaries
+    return max(1, chunk_bytes // (4 * per_expert))  # headroom for temporaries
 
 
 def _scan_mxfp4(field: str, packed: torch.Tensor, scale: torch.Tensor, inter: int,
                 chunk_bytes: int) -> list[str]:
-    nan_per_expert, high_per_expert = [], []
-    step = _experts_per_chunk(packed, chunk_bytes)
+    # One max per expert (a fast uint8 reduction, one sync per chunk) finds the rare suspects;
+    # only their bytes are counted and their codes looked at.
+    suspects = []
+    step = _experts_per_chunk(scale, chunk_bytes)
     for e0 in range(0, scale.shape[0], step):
-        s = scale[e0:e0 + step]
-        nan = s == NAN_BYTE
-        high = (s > MAX_SCALE_BYTE) & ~nan
-        counts = torch.stack([nan.flatten(1).sum(1), high.flatten(1).sum(1)]).cpu()  # one sync per chunk
-        if counts[1].any():  # rare: only then look at the codes
-            blocks = packed[e0:e0 + step].unflatten(-1, (-1, mxfp4.BLOCK_SIZE // 2))
-            high &= ((blocks & 0x77) != 0).any(-1)
-            counts[1] = high.flatten(1).sum(1).cpu()
-        nan_per_expert.append(counts[0])
-        high_per_expert.append(counts[1])
-    if not nan_per_expert:
-        return []
+        top = scale[e0:e0 + step].flatten(1).amax(1).cpu()
+        suspects += [e0 + int(k) for k in (top > MAX_SCALE_BYTE).nonzero().flatten()]
+    nan_counts, high_counts = {}, {}
+    for e in suspects:
+        nan = scale[e] == NAN_BYTE
+        high = _overflowing(packed[e], scale[e])
+        nan_counts[e], high_counts[e] = int(nan.sum()), int(high.sum())
     problems = []
-    for counts, kind in ((torch.cat(nan_per_expert), "nan"), (torch.cat(high_per_expert), "high")):
-        bad = counts.nonzero().flatten().tolist()
+    for counts, kind in ((nan_counts, "nan"), (high_counts, "high")):
+        bad = [e for e in suspects if counts[e]]
         if not bad:
             continue
         e = bad[0]
-        mask = scale[e] == NAN_BYTE if kind == "nan" else (scale[e] > MAX_SCALE_BYTE) & (scale[e] != NAN_BYTE)
-        if kind == "high":
-            mask &= ((packed[e].unflatten(-1, (-1, mxfp4.BLOCK_SIZE // 2)) & 0x77) != 0).any(-1)
+        mask = scale[e] == NAN_BYTE if kind == "nan" else _overflowing(packed[e], scale[e])
         row, block = (int(v) for v in mask.nonzero()[0].tolist())
         byte = int(scale[e, row, block])
-        what = (f"{int(counts[e])} NaN scale byte(s) 0xFF" if kind == "nan" else
-                f"{int(counts[e])} scale byte(s) above 0x{MAX_SCALE_BYTE:X} in blocks with nonzero codes "
+        what = (f"{counts[e]} NaN scale byte(s) 0xFF" if kind == "nan" else
+                f"{counts[e]} scale byte(s) above 0x{MAX_SCALE_BYTE:X} in blocks with nonzero codes "
                 f"(decoded weights up to 6 x 2^({byte}-127) overflow the kernels' bf16/fp32 sums)")
         others = f"; {len(bad) - 1} more expert(s) of this layer too: {bad[1:9]}" if len(bad) > 1 else ""
         problems.append(f"expert {e} tensor {field}_scale holds {what}, first 0x{byte:02X} at "
                         f"[row {row}, block {block}] = {_checkpoint_name(field, row, inter)}{others}")
     return problems
+
+
+def _overflowing(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Scale bytes above the rule (not NaN) whose block of 32 codes holds a nonzero magnitude."""
+    nonzero = ((packed.unflatten(-1, (-1, mxfp4.BLOCK_SIZE // 2)) & 0x77) != 0).any(-1)
+    return (scale > MAX_SCALE_BYTE) & (scale != NAN_BYTE) & nonzero
 
 
 def _scan_finite(field: str, t: torch.Tensor, chunk_bytes: int) -> list[str]:
