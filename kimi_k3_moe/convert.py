@@ -8,9 +8,11 @@ automatically, or point $KIMI_K3_MOE_CONVERTED at it.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
+from kimi_k3_moe import settings
 from kimi_k3_moe.cli import positive_int
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, TARGETS, convert_checkpoint,
@@ -26,7 +28,7 @@ def _layers(text: str) -> list[int]:
         try:
             out += list(range(int(lo), int(hi or lo) + 1))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--layers: {part!r} is not N or N-M") from None
+            raise argparse.ArgumentTypeError(f"{part!r} is not N or N-M") from None
     return out
 
 
@@ -69,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # errors (ConvertedCheckpointError, ConfigError, CheckpointError, ...) end in cli.main as one line
+    for problem in settings.check_all():  # not read here, but the server will refuse them
+        print(f"kimi-k3-moe convert: warning: {problem}; a server started with it will refuse to load",
+              file=sys.stderr)
     if args.verify:
         return _verify(args)
     start = time.perf_counter()

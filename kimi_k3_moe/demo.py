@@ -28,6 +28,7 @@ from kimi_k3_moe.weights.synthetic import make_checkpoint
 
 HELP = "run a tiny synthetic Kimi-K3 MoE layer on this machine's backend against the float64 reference"
 ERROR_BOUND = 1e-2
+DEMO_MARKER = "KIMI_K3_MOE_DEMO"  # a folder holding it may be overwritten by the next demo
 DEMO_SHAPE = dict(hidden_size=512, routed_expert_hidden_size=256, moe_intermediate_size=128,
                   num_experts=32, num_experts_per_token=4)
 
@@ -43,7 +44,15 @@ def run(args: argparse.Namespace) -> int:
     if args.seed >= 2**63:
         raise ValueError(f"--seed {args.seed} is too large (must be < 2**63)")
     if args.out:
-        return _run(Path(args.out), args)
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is an existing file, not a folder")
+        if out.is_dir() and any(out.iterdir()) and not (out / DEMO_MARKER).is_file():
+            raise ValueError(f"--out {out} is a non-empty folder that no demo wrote; the demo would overwrite "
+                             "its config.json and model.safetensors: name an empty or new folder")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / DEMO_MARKER).write_text("written by `kimi-k3-moe demo`; it may overwrite this folder\n")
+        return _run(out, args)
     with tempfile.TemporaryDirectory(prefix="kimi-k3-moe-demo-") as tmp:
         return _run(Path(tmp), args)
 

@@ -154,7 +154,11 @@ def test_demo_refuses_bad_settings_with_the_allowed_values(tmp_path, variable, v
 def test_demo_arguments_are_range_checked_and_debug_shows_the_traceback(tmp_path):
     one_line_error(cli("demo", "--tokens", "-3"), "demo", "argument --tokens: -3 is not a non-negative integer")
     one_line_error(cli("demo", "--seed", "x"), "demo", "argument --seed: 'x' is not an integer")
-    debug = cli("demo", "--debug", "--out", tmp_path, KIMI_K3_MOE_BACKEND="cuda")
+    (tmp_path / "a-file").write_text("")
+    one_line_error(cli("demo", "--out", tmp_path / "a-file"), "demo", "is an existing file, not a folder")
+    model = make_checkpoint(tmp_path / "a-model", **SHAPE)
+    one_line_error(cli("demo", "--out", model), "demo", f"--out {model} is a non-empty folder that no demo wrote")
+    debug = cli("demo", "--debug", "--out", tmp_path / "demo", KIMI_K3_MOE_BACKEND="cuda")
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "SettingError" in debug.stderr
 
 
