@@ -4,17 +4,14 @@ A NaN e8m0 scale byte (0xFF) or a scale so large that the decoded weights
 overflow turns every output row routed to that expert into NaN/inf on the
 kernel paths, silently, and the self-check samples a few experts only. So
 every expert's tensors are scanned here, on the device they are on, a chunk
-of experts at a time (comparisons on bytes: cheap next to reading them).
+of experts at a time (byte reductions: cheap next to reading the weights).
 
 The rule for MXFP4 scale bytes `b` (docs/FORMATS.md, "Scale bytes refused
 at load"):
 - `b == 0xFF` is NaN: refused anywhere (0 x NaN is NaN).
 - `b > MAX_SCALE_BYTE` (222, 0xDE) in a block with any nonzero code is
-  refused. A decoded weight is at most 6 x 2^(b-127) < 2^(b-124); one
-  element stays finite in bf16 up to b = 252, but the kernels sum K <= 2^13
-  products with bf16 activations that we allow up to 2^16, so the K-sum
-  stays below 2^(b-124+13+16) = 2^(b-95), inside bf16's and fp32's finite
-  range (< 2^128) for b <= 222. Trained weights sit near b = 120.
+  refused: past it the kernels' bf16/fp32 K-sums may overflow (the
+  derivation is in docs/FORMATS.md). Trained weights sit near b = 120.
 Pre-converted int4 experts: scales (and offsets) must be finite.
 
 `KIMI_K3_MOE_VALIDATE_WEIGHTS=off` skips the scan (documented in README).
