@@ -79,6 +79,8 @@ def _run(folder: Path, args: argparse.Namespace) -> int:
     gate, bias = read_router(reader, layer)
     console.print(f"synthetic Kimi-K3 checkpoint: {escape(str(folder))}")
     console.print(f"activation from config.json: [bold]{escape(str(cfg.activation))}[/bold]")
+    if cfg.activation.defaults_note():
+        console.print(f"  ({escape(cfg.activation.defaults_note())})")
     console.print(f"MoE layer {layer}: {cfg.num_experts} experts, top-{cfg.num_experts_per_token}, "
                   f"hidden {cfg.hidden_size} -> latent {cfg.routed_expert_hidden_size}, "
                   f"intermediate {cfg.moe_intermediate_size}, MXFP4 {experts.nbytes / 2**20:.2f} MiB")
