@@ -174,3 +174,20 @@ def test_demo_verdict_says_what_was_measured(tmp_path):
     if fp8.returncode:
         assert verdict.startswith("FAIL: ") and "activations are quantized" in verdict
         assert "follows SiTUv2" not in verdict and "really applied" not in verdict
+
+
+def test_missing_linear_beta_decision_is_stated(tmp_path, caplog):
+    import logging
+
+    from kimi_k3_moe.activation import ActivationSpec
+    from kimi_k3_moe.plugin_entrypoints.common import log_serving_once
+
+    model = make_checkpoint(tmp_path / "m", activation_situ_linear_beta=None, **SHAPE)
+    result = cli("doctor", "--model", model, "--config-only")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "activation: situv2(beta=4, linear_beta=None)" in result.stdout
+    assert "no activation_situ_linear_beta in the config: the up half passes unchanged" in result.stdout
+    with caplog.at_level(logging.INFO, logger="kimi_k3_moe"):
+        log_serving_once(f"test-engine-{tmp_path.name}", "torch[mxfp4]", ActivationSpec.situv2(4.0, None))
+    assert "activation situv2(beta=4, linear_beta=None) (no activation_situ_linear_beta in the config" \
+        in caplog.text
