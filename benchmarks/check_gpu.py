@@ -95,9 +95,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--sections", default="bf16",
+    ap.add_argument("--sections", default="bf16,validate",
                     help="comma list: bf16 (MXFP4 and int4, bf16 activations, every path), fp8 (e4m3 "
-                         "activations, Hopper), int4-methods (int4 conversions --int4-methods)")
+                         "activations, Hopper), int4-methods (int4 conversions --int4-methods), validate "
+                         "(load-time scale scan on the GPU: NaN/overflow bytes refused, its cost)")
     ap.add_argument("--int4-methods", default="search,asym")
     ap.add_argument("--int4-tokens", default="3,64,1024")
     args = ap.parse_args()
@@ -114,6 +115,8 @@ def main() -> int:
     sections = set(args.sections.split(","))
     if "bf16" in sections and not bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens):
         return 1
+    if "validate" in sections:
+        validation_checks(chk, dev, gen, e, h, i)
     if "fp8" in sections:
         fp8_checks(chk, dev, gen, e, h, i, topk, tokens, args.workers)
     if "int4-methods" in sections:
@@ -422,3 +425,47 @@ def int4_method_checks(chk, dev, gen, e, h, i, topk, tokens, methods, workers) -
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def validation_checks(chk, dev, gen, e, h, i) -> None:
+    """The load-time scan (weights.validate) on the GPU: clean experts pass, a NaN byte and an overflowing
+    byte are refused before the Triton backend sees them, and the scan's cost next to a layer copy."""
+    from kimi_k3_moe.dispatch import detect_platform, plan_backends
+    from kimi_k3_moe.routed_experts import RoutedExperts
+    from kimi_k3_moe.weights.validate import MAX_SCALE_BYTE, WeightValidationError, find_problems
+
+    experts = random_experts(e, h, i, dev, gen)
+    find_problems(experts)  # warm-up
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        problems = find_problems(experts, layer="clean")
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    copy = [t.clone() for t in experts.tensors()]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for t, c in zip(experts.tensors(), copy):
+        c.copy_(t)
+    torch.cuda.synchronize()
+    copy_s = time.perf_counter() - start
+    scan_s = sorted(times)[len(times) // 2]
+    chk.record(problems == [], check="validate clean experts", scan_ms=scan_s * 1e3, layer_copy_ms=copy_s * 1e3,
+               scan_over_copy=scan_s / copy_s, mib=experts.nbytes / 2**20)
+    platform = detect_platform()
+    for name, poke in (("NaN 0xFF", lambda x: x.w13_scale.__setitem__((e // 3, i + 5, 1), 0xFF)),
+                       ("overflow", lambda x: x.w2_scale.__setitem__((e // 2, 7, 0), MAX_SCALE_BYTE + 1))):
+        bad = experts.select(slice(None))
+        bad = type(bad)(*(t.clone() for t in bad.tensors()))
+        poke(bad)
+        if name == "overflow":
+            bad.w2_packed[e // 2, 7, :16] = 0x77
+        expert = e // 3 if name.startswith("NaN") else e // 2
+        try:
+            RoutedExperts(SITU, platform=platform, plan=plan_backends(platform), layer_name="layer 1").load(bad)
+            ok, message = False, "loaded"
+        except WeightValidationError as exc:
+            message = str(exc)
+            ok = f"expert {expert} tensor" in message
+        chk.record(ok, check=f"validate refuses {name}", message=message[:160])

@@ -17,17 +17,17 @@ measured against the function the kernels are meant to compute.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from kimi_k3_moe import settings
 from kimi_k3_moe.formats import fp8, mxfp4
 
-ENV_ACT_DTYPE = "KIMI_K3_MOE_ACT_DTYPE"
-BF16, FP8, FP4 = "bf16", "fp8", "fp4"
-ACT_DTYPES = (BF16, FP8, FP4)
+ENV_ACT_DTYPE = settings.ACT_DTYPE
+BF16, FP8, FP4 = settings.ACT_DTYPES
+ACT_DTYPES = settings.ACT_DTYPES
 BLOCK32, TOKEN = "block32", "token"   # e8m0 byte per 32 elements | float32 per row
 SCALINGS = (BLOCK32, TOKEN)
 STAGES = ("hidden", "inter")          # stage-1 input, stage-2 input
@@ -39,13 +39,10 @@ class UnsupportedActDtype(ValueError):
 
 def resolve_act_dtype(value: str | None = None, env: Mapping[str, str] | None = None) -> str:
     """The act dtype asked for: `value` when given, else $KIMI_K3_MOE_ACT_DTYPE, else bf16."""
-    source = "act_dtype"
     if value is None:
-        env = os.environ if env is None else env
-        value = env.get(ENV_ACT_DTYPE, "").strip() or BF16
-        source = ENV_ACT_DTYPE
+        return settings.choice(ENV_ACT_DTYPE, env)
     if value not in ACT_DTYPES:
-        raise ValueError(f"{source}={value!r} is not an activation dtype; choose one of {ACT_DTYPES}")
+        raise ValueError(f"act_dtype={value!r} is not an activation dtype; choose one of {ACT_DTYPES}")
     return value
 
 

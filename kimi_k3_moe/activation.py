@@ -21,7 +21,7 @@ SITUV2 = "situv2"
 HF_ACTIVATION_NAMES = {"silu": SILU, "situ": SITUV2, "situv2": SITUV2}
 
 
-class UnsupportedActivationError(ValueError):
+class UnsupportedActivationError(ConfigError):
     """An activation this package does not implement (it never substitutes another)."""
 
 
@@ -134,8 +134,17 @@ class ActivationSpec:
                 f"hidden_act is {act!r} but activation_situ_beta is missing; "
                 "refusing to guess (engines disagree on its default)"
             )
-        return cls.situv2(fields["activation_situ_beta"],
-                          fields.get("activation_situ_linear_beta"))
+        try:
+            return cls.situv2(fields["activation_situ_beta"], fields.get("activation_situ_linear_beta"))
+        except ValueError as exc:
+            raise ConfigError(f"HF config: {exc}") from None
+
+    def defaults_note(self) -> str:
+        """What was decided for a field the config left out ("" when nothing was): for logs and doctor."""
+        if self.name == SITUV2 and self.linear_beta is None:
+            return ("no activation_situ_linear_beta in the config: the up half passes unchanged "
+                    "(identity, linear_beta=None), as SiTUv2 defines")
+        return ""
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.name == SILU:

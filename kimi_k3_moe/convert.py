@@ -8,14 +8,15 @@ automatically, or point $KIMI_K3_MOE_CONVERTED at it.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-from kimi_k3_moe.configs import ConfigError
+from kimi_k3_moe import settings
+from kimi_k3_moe.cli import positive_int
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.weights.checkpoint import CheckpointError
-from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, TARGETS, ConvertedCheckpointError,
-                                           convert_checkpoint, open_converted, verify_sources)
+from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, TARGETS, convert_checkpoint,
+                                           open_converted, verify_sources)
 
 HELP = "convert a Kimi-K3 MXFP4 checkpoint's experts to int4 once, for gfx942 servers to load directly"
 
@@ -27,8 +28,28 @@ def _layers(text: str) -> list[int]:
         try:
             out += list(range(int(lo), int(hi or lo) + 1))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--layers: {part!r} is not N or N-M") from None
+            raise argparse.ArgumentTypeError(f"{part!r} is not N or N-M") from None
     return out
+
+
+def _device(text: str) -> str:
+    """A torch device this machine has: cpu, cuda or cuda:N (ROCm GPUs are cuda devices in torch)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return text
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: converting runs on cpu or cuda[:N] only")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no GPU is visible here (torch.cuda.is_available() "
+                                         "is False); use --device cpu or leave --device out")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,30 +58,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"output folder (MODEL/{CONVERTED_DIRNAME} is found automatically; "
                              f"elsewhere set {ENV_CONVERTED})")
     parser.add_argument("--target", required=True, choices=TARGETS, help="GPU architecture to serve on")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the server (default 1)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size of the server (default 1)")
     parser.add_argument("--method", choices=int4.METHODS, default=int4.DEFAULT_METHOD,
                         help=f"int4 conversion (default {int4.DEFAULT_METHOD}; docs/FORMATS.md compares them)")
     parser.add_argument("--layers", type=_layers, help="only these MoE layers, e.g. 1-4,9")
-    parser.add_argument("--device", help="where to compute (default: a GPU if there is one, else cpu)")
-    parser.add_argument("--chunk-mib", type=int, help="scratch budget per chunk in MiB")
+    parser.add_argument("--device", type=_device, help="where to compute (default: a GPU if there is one, else cpu)")
+    parser.add_argument("--chunk-mib", type=positive_int, help="scratch budget per chunk in MiB (>= 1)")
     parser.add_argument("--verify", action="store_true",
                         help="check an existing --out against the model's MXFP4 bytes instead of converting")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.verify:
-            return _verify(args)
-        start = time.perf_counter()
-        done = convert_checkpoint(
-            args.model, args.out, target=args.target, tp_size=args.tp, method=args.method,
-            layers=args.layers, device=args.device,
-            chunk_bytes=None if args.chunk_mib is None else args.chunk_mib << 20,
-            progress=not args.no_progress)
-    except (ConvertedCheckpointError, ConfigError, CheckpointError) as exc:
-        print(f"error: {exc}")
-        return 1
+    # errors (ConvertedCheckpointError, ConfigError, CheckpointError, ...) end in cli.main as one line
+    for problem in settings.check_all():  # not read here, but the server will refuse them
+        print(f"kimi-k3-moe convert: warning: {problem}; a server started with it will refuse to load",
+              file=sys.stderr)
+    if args.verify:
+        return _verify(args)
+    start = time.perf_counter()
+    done = convert_checkpoint(
+        args.model, args.out, target=args.target, tp_size=args.tp, method=args.method,
+        layers=args.layers, device=args.device,
+        chunk_bytes=None if args.chunk_mib is None else args.chunk_mib << 20,
+        progress=not args.no_progress)
     files = done.record["files"]
     total = sum(f["size"] for f in files.values())
     print(f"converted {len(done.layers)} MoE layer(s) x TP {done.tp_size} with method {done.method!r} "

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
+from kimi_k3_moe import settings
 from kimi_k3_moe.act_quant import BF16, ENV_ACT_DTYPE, UnsupportedActDtype, resolve_act_dtype
 from kimi_k3_moe.kernels import (BACKEND_MODULES, BackendUnavailable, MoEBackend, act_quant_for, get_backend,
                                  supported_act_dtypes)
 
-ENV_BACKEND = "KIMI_K3_MOE_BACKEND"
+ENV_BACKEND = settings.BACKEND
 FLYDSL_ARCHS = ("gfx942", "gfx950")
 INT4_ARCHS = ("gfx942",)  # no FP4 matrix instructions there: requantise to int4
 
@@ -136,7 +137,7 @@ def plan_backends(platform: Platform | None = None, env: Mapping[str, str] | Non
     platform = platform or detect_platform()
     env = os.environ if env is None else env
     act_dtype = resolve_act_dtype(act_dtype, env)
-    forced = env.get(ENV_BACKEND, "").strip()
+    forced = settings.choice(ENV_BACKEND, env)
     return _with_act_dtype(_forced_plan(platform, forced) if forced else _choices_for(platform), platform,
                            act_dtype, forced=bool(forced))
 

@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from kimi_k3_moe import __version__
+from kimi_k3_moe import __version__, settings
+from kimi_k3_moe.cli import positive_int
 from kimi_k3_moe.configs import ConfigError, K3MoEConfig
 from kimi_k3_moe.dispatch import detect_platform, gfx_arch, plan_backends, resolve
 from kimi_k3_moe.kernels.base import BackendUnavailable
@@ -21,8 +22,11 @@ ENGINE_PLUGINS = (("vllm", "vllm.general_plugins", "VLLM_PLUGINS", True),
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="a model folder (or config.json) to check")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to size the model for")
+    parser.add_argument("--model", help="a model folder to check: config, then every shard and expert tensor")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to size the model for")
+    parser.add_argument("--config-only", action="store_true",
+                        help="with --model: check config.json only, not the weights (quick)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar while checking weights")
 
 
 def _version(package: str) -> str:
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print("  " + row)
     platform = detect_platform()
     print(f"platform: {platform}")
-    problems = []
+    problems = settings.check_all()
     try:
         plan = plan_backends(platform)
         print("backend plan (first that runs and passes its self-check serves):")
@@ -98,9 +102,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"would serve with: {backend.describe()} ({choice.reason})")
         print(_tables_line(backend.name))
     except (BackendUnavailable, ValueError) as exc:
-        problems.append(str(exc))
+        if str(exc) not in problems:  # an invalid setting is listed once
+            problems.append(str(exc))
+    if args.config_only and not args.model:
+        raise ValueError("--config-only needs --model")
     if args.model:
-        problems += _check_model(args.model, args.tp)
+        problems += _check_model(args.model, args.tp, weights=not args.config_only,
+                                 progress=not args.no_progress)
     if problems:
         for p in problems:
             print(f"CANNOT SERVE: {p}")
@@ -116,7 +124,7 @@ def _tables_line(backend: str) -> str:
     return f"tiles: {user_tables.describe(backend)}"
 
 
-def _check_model(model: str, tp: int) -> list[str]:
+def _check_model(model: str, tp: int, *, weights: bool, progress: bool) -> list[str]:
     try:
         cfg = K3MoEConfig.from_hf_config(model)
         per_rank = cfg.intermediate_per_rank(tp)
@@ -124,6 +132,8 @@ def _check_model(model: str, tp: int) -> list[str]:
         return [f"model config {model}: {exc}"]
     print(f"model: {model} ({cfg.model_type or 'unknown type'})")
     print(f"  activation: {cfg.activation}")
+    if cfg.activation.defaults_note():
+        print(f"    ({cfg.activation.defaults_note()})")
     print(f"  MoE layers: {len(cfg.moe_layers())} of {cfg.num_hidden_layers}; experts {cfg.num_experts}, "
           f"top-{cfg.num_experts_per_token}, shared {cfg.num_shared_experts}")
     print(f"  routed experts: hidden {cfg.routed_expert_hidden_size} (model {cfg.hidden_size}), "
@@ -139,4 +149,14 @@ def _check_model(model: str, tp: int) -> list[str]:
     if need > have:
         problems.append(f"the routed experts alone need {need / 2**30:.1f} GiB; {where} here hold "
                         f"{have / 2**30:.1f} GiB")
-    return problems
+    if not weights:
+        print("  weights: not checked (--config-only)")
+        return problems
+    from pathlib import Path
+
+    from kimi_k3_moe.weights.check import check_weights
+
+    folder = Path(model).parent if Path(model).is_file() else Path(model)
+    weight_problems, summary = check_weights(folder, cfg, progress=progress)
+    print(f"  {summary}: {'OK' if not weight_problems else f'{len(weight_problems)} problem(s)'}")
+    return problems + weight_problems

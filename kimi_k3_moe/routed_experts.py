@@ -16,6 +16,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice, Platform, detect_platform, plan_backends
 from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check, self_check_mode
+from kimi_k3_moe.weights.validate import validate_experts
 
 logger = logging.getLogger("kimi_k3_moe")
 
@@ -42,6 +43,7 @@ class RoutedExperts:
 
     def load(self, experts: ExpertWeights) -> MoEBackend:
         """Pick the first backend that runs here and passes the self-check; convert the experts."""
+        validate_experts(experts, layer=self.layer_name)  # before any kernel, the self-check's included
         refusals = []
         for choice in self.plan:
             try:

@@ -10,17 +10,16 @@ quantizers, so the bound measures the kernels, not the format.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kimi_k3_moe import settings
 from kimi_k3_moe.act_quant import ActQuant
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.base import ExpertWeights, MoEBackend
 from kimi_k3_moe.reference import dense_moe, relative_l2
 
-ENV_SELF_CHECK = "KIMI_K3_MOE_SELF_CHECK"
-MODES = ("fallback", "strict", "off")
+ENV_SELF_CHECK = settings.SELF_CHECK
+MODES = settings.SELF_CHECK_MODES
 # bf16 activations and intermediate against an fp32 reference on the same
 # weights land near 4e-3; a wrong layout or a wrong activation lands above 0.1.
 # Quantized activations against the same quantization in the reference: the
@@ -33,10 +32,7 @@ class SelfCheckFailed(RuntimeError):
 
 
 def self_check_mode(env=None) -> str:
-    mode = (os.environ if env is None else env).get(ENV_SELF_CHECK, "fallback").strip() or "fallback"
-    if mode not in MODES:
-        raise ValueError(f"{ENV_SELF_CHECK}={mode!r}; choose one of {MODES}")
-    return mode
+    return settings.choice(ENV_SELF_CHECK, env)
 
 
 def run_self_check(

@@ -28,8 +28,13 @@ def load_config_dict(source: ConfigSource) -> dict[str, Any]:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}")
-        with path.open() as f:
-            return json.load(f)
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} holds a JSON {type(loaded).__name__}, not an object")
+        return loaded
     to_dict = getattr(source, "to_dict", None)
     if callable(to_dict):
         return to_dict()

@@ -84,6 +84,14 @@ class K3MoEConfig:
             value = lookup(text, key, top)
             return default if value is None else value
 
+        def opt_num(key: str, default, kind=int, minimum=0):
+            value = opt(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    (kind is int and not isinstance(value, int)) or not minimum <= value < float("inf"):
+                raise ConfigError(f"HF config field {key!r} must be {'an integer' if kind is int else 'a number'}"
+                                  f" >= {minimum}, got {value!r}")
+            return kind(value)
+
         hidden = need("hidden_size")
         routed_hidden = opt("routed_expert_hidden_size", hidden)
         inter = need("moe_intermediate_size")
@@ -98,10 +106,10 @@ class K3MoEConfig:
             scoring_func=opt("moe_router_activation_func", "sigmoid"),
             topk_method=opt("topk_method", "noaux_tc"),
             use_grouped_topk=bool(opt("use_grouped_topk", False)),
-            num_expert_group=int(opt("num_expert_group", 1)),
-            topk_group=int(opt("topk_group", 1)),
+            num_expert_group=opt_num("num_expert_group", 1, minimum=1),
+            topk_group=opt_num("topk_group", 1, minimum=1),
             renormalize=bool(opt("moe_renormalize", True)),
-            routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
+            routed_scaling_factor=opt_num("routed_scaling_factor", 1.0, float),
         )
         if router.scoring_func != "sigmoid":
             raise ConfigError(f"moe_router_activation_func {router.scoring_func!r} is not supported "
@@ -116,15 +124,15 @@ class K3MoEConfig:
             moe_intermediate_size=inter,
             num_experts=experts,
             num_experts_per_token=top_k,
-            num_shared_experts=int(opt("num_shared_experts", 0)),
+            num_shared_experts=opt_num("num_shared_experts", 0),
             num_hidden_layers=need("num_hidden_layers"),
-            first_k_dense_replace=int(opt("first_k_dense_replace", 0)),
-            moe_layer_freq=int(opt("moe_layer_freq", 1)),
+            first_k_dense_replace=opt_num("first_k_dense_replace", 0),
+            moe_layer_freq=opt_num("moe_layer_freq", 1, minimum=1),
             router=router,
             activation=ActivationSpec.from_hf_config(top),
             quantization=None if quant is None else QuantizationInfo.from_dict(quant),
             model_type=str(top.get("model_type", "")),
-            rms_norm_eps=float(opt("rms_norm_eps", 1e-6)),
+            rms_norm_eps=opt_num("rms_norm_eps", 1e-6, float),
             raw=top,
         )
 

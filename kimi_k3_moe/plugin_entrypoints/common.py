@@ -82,8 +82,10 @@ def log_serving_once(engine: str, backend: str, activation: ActivationSpec) -> N
             return
         _logged.add(key)
     tiles = _table_line(backend)
-    logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s%s",
-                __version__, engine, backend, activation, f", tiles from {tiles}" if tiles else "")
+    note = activation.defaults_note()
+    logger.info("kimi-k3-moe %s serving Kimi-K3 routed experts in %s: backend %s, activation %s%s%s",
+                __version__, engine, backend, activation, f" ({note})" if note else "",
+                f", tiles from {tiles}" if tiles else "")
 
 
 def _table_line(backend: str) -> str | None:

@@ -34,30 +34,89 @@ def moe_tensor_name(layer: int, suffix: str, prefix: str = LAYER_PREFIXES[0]) ->
     return f"{prefix}.{layer}.block_sparse_moe.{suffix}"
 
 
+def open_shard(path: Path):
+    """safe_open(path), or CheckpointError naming the file (missing, truncated, corrupt header)."""
+    if not path.is_file():
+        raise CheckpointError(f"shard {path} is missing")
+    try:
+        return safe_open(path, framework="pt")
+    except BaseException as exc:  # safetensors raises its own types, a Rust panic a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt header?): "
+                              f"{_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """The index file's weight_map (tensor -> shard file name), or CheckpointError naming the file."""
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {_one_line(exc)}") from None
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{path} has no \"weight_map\" object") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path}: \"weight_map\" must map tensor names to shard file names")
+    return weight_map
+
+
 class CheckpointReader:
-    """Finds tensors across safetensors shards, with or without an index file."""
+    """Finds tensors across safetensors shards, with or without an index file.
+
+    Every failure is a CheckpointError naming the file (and the tensor where
+    known): an invalid index, shards it lists but that are missing (refused
+    here), a truncated file or corrupt header (when the shard is first opened).
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint folder {self.path} does not exist")
-        self._where = self._index()
         self._handles: dict[Path, object] = {}
+        self._where = self._index()
         self.prefix = self._detect_prefix()
+
+    def shards(self) -> list[Path]:
+        return sorted(set(self._where.values()))
 
     def _index(self) -> dict[str, Path]:
         index = self.path / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.path / shard for name, shard in weight_map.items()}
+            where = {name: self.path / shard for name, shard in read_index(index).items()}
+            missing = sorted({p.name for p in where.values() if not p.is_file()})
+            if missing:
+                raise CheckpointError(f"{index} lists {len(missing)} shard(s) that are missing: "
+                                      f"{', '.join(missing[:5])}")
+            return where
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"no *.safetensors files in {self.path}")
         where = {}
         for shard in shards:
-            with safe_open(shard, framework="pt") as f:
-                where.update({name: shard for name in f.keys()})
+            where.update({name: shard for name in self._handle(shard).keys()})
         return where
+
+    def check_shards(self) -> Iterable[tuple[Path, str | None]]:
+        """(shard, problem or None) for each shard: headers parsed, every indexed tensor present."""
+        for shard in self.shards():
+            try:
+                keys = set(self._handle(shard).keys())
+            except CheckpointError as exc:
+                yield shard, str(exc)
+                continue
+            absent = [name for name, s in self._where.items() if s == shard and name not in keys]
+            yield shard, (f"tensor {absent[0]!r} is listed in {INDEX_FILE} for {shard} but that file does "
+                          f"not hold it ({len(absent)} such tensor(s))" if absent else None)
+
+    def _handle(self, shard: Path):
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._handles[shard] = open_shard(shard)
+        return handle
 
     def _detect_prefix(self) -> str:
         for prefix in LAYER_PREFIXES:
@@ -71,19 +130,38 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def shard_of(self, name: str) -> Path | None:
+        return self._where.get(name)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype such as "U8", shape) of a tensor, read from its shard's header only."""
+        shard = self._where.get(name)
+        if shard is None:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.path}")
+        try:
+            view = self._handle(shard).get_slice(name)
+            return view.get_dtype(), tuple(view.get_shape())
+        except CheckpointError:
+            raise
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"tensor {name!r} in {shard} cannot be read: {_one_line(exc)}") from None
+
     def get(self, name: str) -> torch.Tensor:
         shard = self._where.get(name)
         if shard is None:
             raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.path}")
-        if not shard.is_file():
-            raise CheckpointError(f"tensor {name!r}: shard {shard.name} is missing")
         try:
-            handle = self._handles.get(shard)
-            if handle is None:
-                handle = self._handles[shard] = safe_open(shard, framework="pt")
+            handle = self._handle(shard)
+        except CheckpointError as exc:
+            raise CheckpointError(f"tensor {name!r}: {exc}") from None
+        try:
             return handle.get_tensor(name)
-        except Exception as exc:  # safetensors raises its own types for truncation
-            raise CheckpointError(f"tensor {name!r} in {shard.name} cannot be read: {exc}") from exc
+        except BaseException as exc:  # safetensors raises its own types for truncation
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"tensor {name!r} in {shard} cannot be read: {_one_line(exc)}") from None
 
 
 def _as_2d_scale(t: torch.Tensor, name: str) -> torch.Tensor:

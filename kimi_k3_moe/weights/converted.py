@@ -18,10 +18,13 @@ not fit: another format version, target, method, TP size, model shape, or a
 source that changed since conversion.
 
 Source checksum, two levels:
-- the fingerprint, checked at every start-up: SHA-256 over each weight
-  shard's name, size, safetensors header, and 16 blocks of 64 KiB sampled at
-  fixed offsets of its data; it reads ~1 MiB per shard, and any re-export,
-  fine-tune or requantisation of the source rewrites the sampled bytes;
+- the fingerprint, checked at every start-up (FINGERPRINT_RULE): SHA-256 over
+  the index file's bytes, then each weight shard's name, size, mtime, the
+  SHA-256 of its safetensors header, and 16 blocks of 64 KiB sampled at fixed
+  offsets of its data; it reads ~1 MiB per shard. Any write to a shard
+  changes its mtime, so an edit outside the samples is noticed too (copying
+  the model without keeping mtimes, e.g. `cp` without `-p`, makes the
+  conversion stale: convert again, or copy with `cp -p`/`rsync -a`);
 - per file, the SHA-256 of the exact MXFP4 bytes it was converted from,
   computed while converting; `kimi-k3-moe convert --verify` re-reads the
   source and checks every one of them.
@@ -44,9 +47,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from kimi_k3_moe import __version__
+from kimi_k3_moe import __version__, settings
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.weights.checkpoint import CheckpointReader, read_layer_experts
+from kimi_k3_moe.weights.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader, read_layer_experts
 from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
 
 FORMAT = "kimi-k3-moe-int4"
@@ -54,7 +57,7 @@ FORMAT_VERSION = 1
 RECORD_FILE = "kimi_k3_moe_int4.json"
 PARTIAL_FILE = "kimi_k3_moe_int4.partial.json"  # progress of an unfinished conversion
 CONVERTED_DIRNAME = "kimi_k3_moe_int4"
-ENV_CONVERTED = "KIMI_K3_MOE_CONVERTED"
+ENV_CONVERTED = settings.CONVERTED
 TARGETS = ("gfx942",)  # archs whose kernels read int4 (dispatch.INT4_ARCHS)
 LAYOUT = ("int4 v1 (docs/FORMATS.md): w13 [E, 2I/tp, H/2] gate rows first, w2 [E, H, I/tp/2]; "
           "rank r holds intermediate rows [r*I/tp, (r+1)*I/tp) of w1 and w3 and those columns of w2")
@@ -69,20 +72,31 @@ def layer_file(layer: int, tp_rank: int, tp_size: int) -> str:
     return f"layer{layer:03d}-tp{tp_rank}of{tp_size}.safetensors"
 
 
+FINGERPRINT_RULE = (f"sha256 over {INDEX_FILE} when present, then per *.safetensors shard (sorted by name): name, "
+                    f"size, mtime (ns), sha256 of its safetensors header, and {_SAMPLE_BLOCKS} x "
+                    f"{_SAMPLE_BYTES // 1024} KiB of data sampled at fixed offsets")
+
+
 def source_fingerprint(model_dir: str | Path) -> str:
-    """Cheap SHA-256 identity of a checkpoint's weight shards (module docstring)."""
+    """Cheap SHA-256 identity of a checkpoint's weight files (FINGERPRINT_RULE; module docstring)."""
     model_dir = Path(model_dir)
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise ConvertedCheckpointError(f"no *.safetensors files in {model_dir} to fingerprint")
     digest = hashlib.sha256()
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        digest.update(b"index\0" + hashlib.sha256(index.read_bytes()).digest())
     for shard in shards:
-        size = shard.stat().st_size
+        stat = shard.stat()
         with open(shard, "rb") as f:
-            header_len = struct.unpack("<Q", f.read(8))[0]
-            digest.update(f"{shard.name}\0{size}\0".encode())
-            digest.update(f.read(header_len))
-            data_start, data_len = 8 + header_len, size - 8 - header_len
+            prefix = f.read(8)
+            header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+            if not 0 <= header_len <= stat.st_size - 8:
+                raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt header)")
+            digest.update(f"{shard.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+            digest.update(hashlib.sha256(f.read(header_len)).digest())
+            data_start, data_len = 8 + header_len, stat.st_size - 8 - header_len
             for k in range(_SAMPLE_BLOCKS):
                 f.seek(data_start + data_len * k // _SAMPLE_BLOCKS)
                 digest.update(f.read(min(_SAMPLE_BYTES, data_len)))
@@ -144,8 +158,7 @@ def new_record(*, model_dir: Path, fingerprint: str, method: str, target: str, t
         "model": {"num_experts": num_experts, "hidden_size": hidden_size,
                   "intermediate_size": intermediate_size, "moe_layers": list(layers)},
         "source": {"path": str(model_dir), "fingerprint": fingerprint,
-                   "fingerprint_rule": f"sha256 over shard name, size, header, {_SAMPLE_BLOCKS} x "
-                                       f"{_SAMPLE_BYTES // 1024} KiB sampled data blocks"},
+                   "fingerprint_rule": FINGERPRINT_RULE},
         "files": {},
     }
 
@@ -184,7 +197,13 @@ class ConvertedCheckpoint:
         if path.stat().st_size != entry["size"]:
             raise ConvertedCheckpointError(f"{path} is {path.stat().st_size} bytes, the record says "
                                            f"{entry['size']}: truncated or replaced since conversion")
-        with safe_open(path, framework="pt") as f:
+        try:
+            handle = safe_open(path, framework="pt")
+        except BaseException as exc:  # safetensors' own error types, or a Rust panic
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ConvertedCheckpointError(f"{path} is not a readable safetensors file: {exc}") from None
+        with handle as f:
             meta = f.metadata() or {}
             expected = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "method": self.method,
                         "layer": str(layer), "tp_rank": str(tp_rank), "tp_size": str(self.tp_size),
@@ -219,6 +238,11 @@ class ConvertedCheckpoint:
         now = source_fingerprint(model_dir)
         then = self.record["source"]["fingerprint"]
         if now != then:
+            if self.record["source"].get("fingerprint_rule") != FINGERPRINT_RULE:
+                raise ConvertedCheckpointError(
+                    f"converted checkpoint {self.path} was fingerprinted by an older kimi-k3-moe rule, so it "
+                    f"cannot be checked against {model_dir}; run `kimi-k3-moe convert --model {model_dir} "
+                    f"--out {self.path} --target {self.record['target']} --tp {self.tp_size}` again")
             raise ConvertedCheckpointError(
                 f"converted checkpoint {self.path} is stale: the weight files in {model_dir} changed "
                 f"since it was converted (fingerprint {now[:19]}... != {then[:19]}...); "
@@ -271,8 +295,10 @@ def open_converted(path: str | Path) -> ConvertedCheckpoint:
 def converted_location(model_dir: str | Path | None, env: Mapping[str, str] | None = None
                        ) -> tuple[Path | None, bool]:
     """(where to look, whether the user named it explicitly)."""
-    env = os.environ if env is None else env
-    explicit = env.get(ENV_CONVERTED, "").strip()
+    try:
+        explicit = settings.path(ENV_CONVERTED, env)
+    except settings.SettingError as exc:
+        raise ConvertedCheckpointError(str(exc)) from None
     if explicit:
         return Path(explicit), True
     if model_dir is None:
@@ -366,6 +392,8 @@ def convert_checkpoint(
     if method not in int4.METHODS:
         raise ConvertedCheckpointError(f"unknown int4 method {method!r}; choose one of {int4.METHODS}")
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConvertedCheckpointError(f"--out {out_dir} is an existing file, not a folder")
     if out_dir.resolve() == model_dir.resolve():
         raise ConvertedCheckpointError(f"--out {out_dir} is the model folder itself; use a folder of its "
                                        f"own, e.g. {model_dir / CONVERTED_DIRNAME}")
@@ -385,13 +413,16 @@ def convert_checkpoint(
     out_dir.mkdir(parents=True, exist_ok=True)
     done_path, partial_path = out_dir / RECORD_FILE, out_dir / PARTIAL_FILE
     if done_path.is_file():
-        previous = json.loads(done_path.read_text())
+        previous = _read_json(done_path)
         if _same_job(previous, record):
             log(f"{out_dir} already holds this conversion ({method}, {target}, TP {tp_size}); nothing to do")
             return open_converted(out_dir)
+        stale = previous.get("source", {}).get("fingerprint") != fingerprint
+        log(f"{out_dir} holds " + ("a conversion of an older state of the source" if stale else
+                                   "a conversion with other settings") + ": converting again")
         done_path.unlink()  # about to replace its files: never leave a record describing them
     if partial_path.is_file():
-        previous = json.loads(partial_path.read_text())
+        previous = _read_json(partial_path)
         if _same_job(previous, record):
             record["files"] = {name: entry for name, entry in previous["files"].items()
                                if (out_dir / name).is_file()
@@ -424,9 +455,30 @@ def convert_checkpoint(
             write_record_as(partial_path, record)
             del experts, converted
             bar.update(1)
+    _remove_other_files(out_dir, record, log)
     write_record(out_dir, record)
     partial_path.unlink(missing_ok=True)
     return open_converted(out_dir)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConvertedCheckpointError(f"{path} is not valid JSON: {exc}; delete it to convert afresh") from None
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("source"), dict):
+        raise ConvertedCheckpointError(f"{path} is not a kimi-k3-moe conversion record; delete it to convert afresh")
+    return loaded
+
+
+def _remove_other_files(out_dir: Path, record: Mapping[str, Any], log: Callable[[str], None]) -> None:
+    """Layer files this record does not list (another TP size, layer set or stale run) go, so none is mistaken."""
+    others = [p for p in out_dir.glob("layer*-tp*of*.safetensors") if p.name not in record["files"]]
+    others += list(out_dir.glob("layer*-tp*of*.tmp"))
+    for path in others:
+        path.unlink()
+    if others:
+        log(f"removed {len(others)} file(s) of another conversion from {out_dir} (e.g. {sorted(others)[0].name})")
 
 
 def write_record_as(path: Path, record: Mapping[str, Any]) -> None:

@@ -1,0 +1,70 @@
+"""Every KIMI_K3_MOE_* environment setting, validated where it is read.
+
+One place lists each variable, its allowed values and its default, so a
+typo is refused with the allowed values instead of meaning something else.
+Kept free of other package imports: everything may import it.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+BACKEND = "KIMI_K3_MOE_BACKEND"
+ACT_DTYPE = "KIMI_K3_MOE_ACT_DTYPE"
+SELF_CHECK = "KIMI_K3_MOE_SELF_CHECK"
+CONVERTED = "KIMI_K3_MOE_CONVERTED"
+VALIDATE_WEIGHTS = "KIMI_K3_MOE_VALIDATE_WEIGHTS"
+
+BACKENDS = ("torch", "triton", "flydsl")
+ACT_DTYPES = ("bf16", "fp8", "fp4")
+SELF_CHECK_MODES = ("fallback", "strict", "off")
+VALIDATE_MODES = ("on", "off")
+
+# name -> (allowed values, default); "" as default means "unset: no forcing"
+CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
+    BACKEND: (BACKENDS, ""),
+    ACT_DTYPE: (ACT_DTYPES, "bf16"),
+    SELF_CHECK: (SELF_CHECK_MODES, "fallback"),
+    VALIDATE_WEIGHTS: (VALIDATE_MODES, "on"),
+}
+
+
+class SettingError(ValueError):
+    """An environment setting holds a value this package does not accept."""
+
+
+def choice(name: str, env: Mapping[str, str] | None = None) -> str:
+    """The value of setting `name` (stripped; unset or empty gives its default), or SettingError."""
+    allowed, default = CHOICES[name]
+    value = (os.environ if env is None else env).get(name, "").strip()
+    if not value:
+        return default
+    if value not in allowed:
+        raise SettingError(f"{name}={value!r} is not accepted; choose one of {', '.join(allowed)}"
+                           + ("" if default else " (or leave it unset)"))
+    return value
+
+
+def path(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A folder setting (KIMI_K3_MOE_CONVERTED): None when unset; must exist when set."""
+    value = (os.environ if env is None else env).get(name, "").strip()
+    if not value:
+        return None
+    if not os.path.isdir(value):
+        raise SettingError(f"{name}={value} does not exist or is not a folder")
+    return value
+
+
+def check_all(env: Mapping[str, str] | None = None) -> list[str]:
+    """One message per invalid setting (for `doctor`)."""
+    problems = []
+    for name in CHOICES:
+        try:
+            choice(name, env)
+        except SettingError as exc:
+            problems.append(str(exc))
+    try:
+        path(CONVERTED, env)
+    except SettingError as exc:
+        problems.append(str(exc))
+    return problems
