@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from kimi_k3_moe.kernels.base import ExpertWeights  # noqa: E402
+from kimi_k3_moe.experts import ExpertWeights  # noqa: E402
 
 K3_TOPK = 16
 SHAPES = {  # per-rank MoE shapes of Kimi-K3 (K3_FACTS 1)

@@ -20,7 +20,8 @@ import _common  # noqa: F401  (puts the repository on sys.path, as for the other
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice, detect_platform, plan_backends
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels import ExpertWeights, supported_act_dtypes
+from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.kernels import supported_act_dtypes
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
 

@@ -33,7 +33,7 @@ from sglang.srt.utils import set_weight_attrs
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.plugin_entrypoints.common import engine_activation, log_serving_once, verify_against_hf
 from kimi_k3_moe.routed_experts import RoutedExperts
 

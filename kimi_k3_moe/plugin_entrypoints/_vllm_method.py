@@ -44,7 +44,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs.hf_dict import load_config_dict, text_config
 from kimi_k3_moe.dispatch import detect_platform
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.plugin_entrypoints.common import (
     converted_source,
     engine_activation,

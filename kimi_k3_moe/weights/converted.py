@@ -47,7 +47,8 @@ from tqdm.auto import tqdm
 from kimi_k3_moe import __version__
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.weights.checkpoint import CheckpointReader, read_layer_experts
-from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+from kimi_k3_moe.experts import Int4Experts
+from kimi_k3_moe.weights.requant import requantize_experts
 
 FORMAT = "kimi-k3-moe-int4"
 FORMAT_VERSION = 1

@@ -13,6 +13,7 @@ from kimi_k3_moe.weights import CheckpointReader, read_layer_experts
 from kimi_k3_moe.weights import converted as conv
 from kimi_k3_moe.weights.requant import requantize_experts
 from kimi_k3_moe.weights.synthetic import make_checkpoint
+from kimi_k3_moe.loading import prepare_for
 
 SHAPE = dict(num_layers=3, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64,
              num_experts=8, num_experts_per_token=2)
@@ -67,7 +68,7 @@ def test_loaded_experts_serve_on_the_torch_backend(model, gen):
     found = convert(model, method="asym")
     loaded = found.load_layer(1, 0)
     backend = get_backend("torch", weight_format="int4", int4_method=found.method)
-    fresh = backend.prepare(read_layer_experts(CheckpointReader(model), 1, hidden_size=64,
+    fresh = prepare_for(backend, read_layer_experts(CheckpointReader(model), 1, hidden_size=64,
                                                intermediate_size=64, num_experts=8))
     hidden = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     ids = torch.randint(0, 8, (5, 2), generator=gen, dtype=torch.int32)

@@ -4,9 +4,11 @@ import torch
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels import ExpertWeights, get_backend
+from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.weights.requant import requantize_experts
+from kimi_k3_moe.loading import prepare_for
 
 SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
@@ -62,7 +64,7 @@ def test_reference_matches_float64_loop(gen, tokens):
 def test_torch_backend_matches_loop_and_honours_activation(gen, weight_format):
     experts = random_experts(gen)
     backend = get_backend("torch", weight_format=weight_format)
-    prepared = backend.prepare(experts)
+    prepared = prepare_for(backend, experts)
     if weight_format == "int4":
         q = requantize_experts(experts, progress=False)
         w13, w2 = q.w13.dequantize(), q.w2.dequantize()

@@ -15,8 +15,8 @@ import torch
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import int4, mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
-from kimi_k3_moe.weights.requant import Int4Experts
+from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Int4Experts
 
 REQUIRE = os.environ.get("KIMI_K3_MOE_REQUIRE_FLYDSL") == "1"
 SITU = ActivationSpec.situv2(4.0, 25.0)

@@ -18,7 +18,8 @@ from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton.backend import TritonBackend
 from kimi_k3_moe.reference import dense_moe, relative_l2
-from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+from kimi_k3_moe.experts import Int4Experts
+from kimi_k3_moe.weights.requant import requantize_experts
 
 SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()

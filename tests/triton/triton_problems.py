@@ -2,7 +2,7 @@
 import torch
 
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 
 E, H, I, TOPK = 6, 128, 64, 3
 

@@ -7,7 +7,7 @@ import torch
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice, Platform
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.reference import relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 
