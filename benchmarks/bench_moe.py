@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.reference import relative_l2  # noqa: E402
-from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
+from kimi_k3_moe.loading import prepare_for  # noqa: E402
 
 SITU = ActivationSpec.situv2(4.0, 25.0)
 
@@ -165,8 +165,7 @@ def main() -> int:
     backends, prepared = {}, {}
     for fmt in formats:
         backends[fmt] = get_backend("triton", weight_format=fmt)
-        src = requantize_experts(experts, progress=False) if fmt == "int4" else experts
-        prepared[fmt] = backends[fmt].prepare(src)
+        prepared[fmt] = prepare_for(backends[fmt], experts)
     if "bf16" not in act_dtypes:
         formats = []
     recipes = [Recipe(fmt, e, h, i, t, K3_TOPK, (SITU.name, SITU.beta, SITU.linear_beta),

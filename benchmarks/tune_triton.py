@@ -29,7 +29,7 @@ from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.kernels.triton.moe import plan_moe  # noqa: E402
 from kimi_k3_moe.kernels.triton.tuning_space import (ACT, QUICK, REGISTER_MARGIN, TIERS, TOPK,  # noqa: E402
                                                       candidates)
-from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
+from kimi_k3_moe.loading import prepare_for  # noqa: E402
 
 
 class Entry:
@@ -67,7 +67,7 @@ def tune_entry(entry: Entry, tiers, deadline: float, timer: ColdL2Timer, gen, re
                save=lambda chosen: None):
     experts = random_experts(entry.e, entry.h, entry.i, "cuda", gen)
     backend = get_backend("triton", weight_format=entry.fmt)
-    prepared = backend.prepare(requantize_experts(experts, progress=False) if entry.fmt == "int4" else experts)
+    prepared = prepare_for(backend, experts)  # converted to int4 first when the backend runs int4
     del experts
     chosen = {}
     for tier in tiers:

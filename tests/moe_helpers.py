@@ -8,6 +8,7 @@ from dataclasses import replace
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.dispatch import BackendChoice
 from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels.torch import SPEC as TORCH_SPEC
@@ -44,3 +45,15 @@ class SiluOnlyBackend(TorchBackend):
 
     def forward(self, prepared, hidden, topk_weights, topk_ids, activation, expert_map=None):
         return super().forward(prepared, hidden, topk_weights, topk_ids, SILU, expert_map)
+
+
+class Choice(BackendChoice):
+    """A plan entry that makes `SiluOnlyBackend` for the name "silu-only" and the real backend otherwise."""
+
+    def make(self):
+        return SiluOnlyBackend() if self.name == "silu-only" else super().make()
+
+
+def broken_plan(why: str = "stands in for a GPU kernel") -> list[BackendChoice]:
+    """A GPU-like plan on a CPU box: a kernel that ignores the activation, then the torch reference."""
+    return [Choice("silu-only", {}, why), Choice("torch", {"weight_format": "mxfp4"}, "reference")]

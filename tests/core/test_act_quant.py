@@ -16,7 +16,8 @@ import torch
 from kimi_k3_moe import act_quant, dispatch, kernels
 from kimi_k3_moe.act_quant import ENV_ACT_DTYPE, ActQuant, UnsupportedActDtype, resolve_act_dtype
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import ENV_BACKEND, Platform, plan_backends
+from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import fp8, mxfp4
 from kimi_k3_moe.kernels import BackendSpec, get_backend
 from kimi_k3_moe.platform import sm_version

@@ -160,7 +160,8 @@ def test_interrupted_conversion_is_refused_then_resumed(model, monkeypatch):
 
 def test_routed_experts_core_serves_a_converted_layer(model, gen):
     """The plugins' layer core loads pre-converted experts as it loads MXFP4 ones (torch backend)."""
-    from kimi_k3_moe.dispatch import BackendChoice, Platform
+    from kimi_k3_moe.dispatch import BackendChoice
+    from kimi_k3_moe.platform import Platform
     from kimi_k3_moe.reference import dense_moe, relative_l2
     from kimi_k3_moe.routed_experts import RoutedExperts
 

@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from moe_helpers import SITU, SiluOnlyBackend, random_experts, random_routing
+from moe_helpers import SITU, Choice, SiluOnlyBackend, broken_plan, random_experts, random_routing
 
 from kimi_k3_moe import dispatch
-from kimi_k3_moe.dispatch import ENV_BACKEND, Platform, plan_backends
+from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.kernels import BackendUnavailable
 from kimi_k3_moe.kernels.torch.backend import TorchBackend
 from kimi_k3_moe.loading import resolve
@@ -54,11 +55,6 @@ def test_resolve_skips_what_cannot_run():
         resolve(chain[:1])
 
 
-class Choice(dispatch.BackendChoice):
-    def make(self):
-        return SiluOnlyBackend() if self.name == "silu-only" else super().make()
-
-
 def test_self_check_catches_a_kernel_ignoring_the_activation(gen):
     experts = random_experts(gen)
     assert run_self_check(TorchBackend(), experts, SITU) < 1e-2
@@ -68,7 +64,7 @@ def test_self_check_catches_a_kernel_ignoring_the_activation(gen):
 
 def test_routed_experts_falls_back_loudly_or_raises_when_strict(gen, caplog):
     experts = random_experts(gen)
-    chain = [Choice("silu-only", {}, "broken"), Choice("torch", {}, "reference")]
+    chain = broken_plan("broken")
     runner = RoutedExperts(SITU, platform=Platform("cpu"), plan=chain, self_check="fallback")
     with caplog.at_level("ERROR", logger="kimi_k3_moe"):
         runner.load(experts)

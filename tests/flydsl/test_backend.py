@@ -9,7 +9,8 @@ import torch
 
 from fly_helpers import SITU, random_layer, with_offsets
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import Platform, plan_backends
+from kimi_k3_moe.dispatch import plan_backends
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import BackendUnavailable, get_backend
 from kimi_k3_moe.kernels.flydsl import emulator

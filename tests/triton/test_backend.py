@@ -55,8 +55,8 @@ def run(backend, prepared, hidden, weights, ids, act, emap=None):
 
 
 @pytest.fixture(scope="module")
-def problem():
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+def problem(module_gen):
+    gen = module_gen
     ex = P.experts(gen)
     return ex, requantize_experts(ex, progress=False), gen
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import BackendChoice, Platform
+from kimi_k3_moe.dispatch import BackendChoice
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.reference import relative_l2
