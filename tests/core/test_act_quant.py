@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from moe_helpers import SITU, random_experts, random_routing
 from kimi_k3_moe import act_quant, dispatch, kernels
 from kimi_k3_moe.act_quant import ENV_ACT_DTYPE, ActQuant, UnsupportedActDtype, resolve_act_dtype
 from kimi_k3_moe.activation import ActivationSpec
@@ -21,26 +22,22 @@ from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import fp8, mxfp4
 from kimi_k3_moe.kernels import BackendSpec, get_backend
 from kimi_k3_moe.platform import sm_version
-from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.kernels.torch.backend import TorchBackend
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 BOUND_VS_UNQUANTIZED = {"fp8": 2 ** -4, "fp4": 2 ** -2}
 
 
 def layer(gen, e=8, h=256, i=128):
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * 3 / h ** 0.5
-    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
-    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    return random_experts(gen, e, h, i)
 
 
 def routing(gen, t, e, k, h):
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16).double()
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
-    return x, torch.rand(t, k, generator=gen).double() + 0.1, ids
+    weights, ids = random_routing(gen, t, e, k, floor=0.1)
+    return x, weights.double(), ids
 
 
 # ------------------------------------------------------------------ the setting

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.weights import CheckpointReader, read_layer_experts
@@ -73,7 +74,7 @@ def test_loaded_experts_serve_on_the_torch_backend(model, gen):
     hidden = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     ids = torch.randint(0, 8, (5, 2), generator=gen, dtype=torch.int32)
     weights = torch.rand(5, 2, generator=gen)
-    situ = ActivationSpec.situv2(4.0, 25.0)
+    situ = SITU
     assert torch.equal(backend.forward(backend.prepare(loaded), hidden, weights, ids, situ),
                        backend.forward(fresh, hidden, weights, ids, situ))
 
@@ -166,7 +167,7 @@ def test_routed_experts_core_serves_a_converted_layer(model, gen):
     from kimi_k3_moe.routed_experts import RoutedExperts
 
     found = convert(model)
-    situ = ActivationSpec.situv2(4.0, 25.0)
+    situ = SITU
     plan = [BackendChoice("torch", {"weight_format": "int4", "int4_method": found.method})]
     layer = RoutedExperts(situ, platform=Platform("cpu"), plan=plan, self_check="strict")
     experts = found.load_layer(1, 0)

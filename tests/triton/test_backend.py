@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import triton_problems as P
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
 from kimi_k3_moe.formats import int4
@@ -21,7 +22,6 @@ from kimi_k3_moe.reference import dense_moe, relative_l2
 from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.weights.requant import requantize_experts
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
 TOL = 1e-2
 
@@ -98,7 +98,7 @@ def test_betas_are_honoured(problem):
     hidden = P.hidden(gen, 4)
     weights, ids = P.routing(gen, 4)
     outs = []
-    for act in (ActivationSpec.situv2(4.0, 25.0), ActivationSpec.situv2(2.0, 1.5),
+    for act in (SITU, ActivationSpec.situv2(2.0, 1.5),
                 ActivationSpec.situv2(4.0, None)):
         out = run(backend, prepared, hidden, weights, ids, act)
         assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, act)) < TOL, act

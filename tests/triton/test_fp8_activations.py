@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import triton_problems as P
+from moe_helpers import SITU
 from kimi_k3_moe import dispatch
 from kimi_k3_moe.act_quant import ActQuant, UnsupportedActDtype
 from kimi_k3_moe.activation import ActivationSpec
@@ -33,7 +34,6 @@ from kimi_k3_moe.kernels.triton.fp8_moe import ACT_QUANT, fp8_config, quantize_r
 from kimi_k3_moe.kernels.triton.probe import decode_fp8_rows
 from kimi_k3_moe.reference import dense_moe, relative_l2
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
 SAME_QUANT_BOUND = 1e-2
 VS_UNQUANTIZED_BOUND = 2 ** -4

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from kimi_k3_moe.experts import INT4, KINDS, MXFP4, ExpertWeights, Int4Experts, Layout, PackedExperts
+from kimi_k3_moe.experts import KINDS, MXFP4, ExpertWeights, Int4Experts, Layout, PackedExperts
 from kimi_k3_moe.formats import int4, mxfp4
 
 WEIGHT_FORMATS = KINDS

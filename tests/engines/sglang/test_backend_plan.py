@@ -33,8 +33,8 @@ def loaded_layer(path):
 
 
 def test_plan_is_the_core_plan_and_params_are_the_prepared_weights(k3_checkpoint, sglang_plugins_loaded):
-    with serving(k3_checkpoint[0]):
-        layer, _ = loaded_layer(k3_checkpoint[0])
+    with serving(k3_checkpoint):
+        layer, _ = loaded_layer(k3_checkpoint)
     routed = layer.quant_method.routed
     assert routed.plan == plan_backends(detect_platform()) and routed.backend.describe() == "torch[mxfp4]"
     assert routed.activation == SITU
@@ -50,11 +50,11 @@ def test_self_check_refuses_a_wrong_kernel_at_load(k3_checkpoint, sglang_plugins
     monkeypatch.setattr(routed_experts, "plan_backends", lambda platform: plan)
     monkeypatch.setattr(K3RoutedExpertsMethod, "self_checks", SelfCheckCache())
     monkeypatch.setenv("KIMI_K3_MOE_SELF_CHECK", "strict")
-    with serving(k3_checkpoint[0]), pytest.raises(SelfCheckFailed, match="silu-only"):
-        loaded_layer(k3_checkpoint[0])
+    with serving(k3_checkpoint), pytest.raises(SelfCheckFailed, match="silu-only"):
+        loaded_layer(k3_checkpoint)
     monkeypatch.setenv("KIMI_K3_MOE_SELF_CHECK", "fallback")
-    with serving(k3_checkpoint[0]), caplog.at_level(logging.ERROR, logger="kimi_k3_moe"):
-        layer, _ = loaded_layer(k3_checkpoint[0])
+    with serving(k3_checkpoint), caplog.at_level(logging.ERROR, logger="kimi_k3_moe"):
+        layer, _ = loaded_layer(k3_checkpoint)
     assert layer.quant_method.routed.backend.name == "torch"
     assert "REFUSING backend silu-only" in caplog.text
 
@@ -67,7 +67,7 @@ def test_converted_experts_release_the_checkpoint_bytes_and_restore_for_reload(
 
     monkeypatch.setattr(routed_experts, "plan_backends",
                         lambda platform: [BackendChoice("torch", {"weight_format": "int4"}, "converts")])
-    path = k3_checkpoint[0]
+    path = k3_checkpoint
     with serving(path):
         layer, model = loaded_layer(path)
         e, i = 16, 128

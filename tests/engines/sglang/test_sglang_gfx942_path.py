@@ -67,7 +67,7 @@ def test_preconverted_int4_checkpoint_is_used(k3_checkpoint, sglang_plugins_load
     from kimi_k3_moe.weights.converted import CONVERTED_DIRNAME, convert_checkpoint
 
     path = tmp_path / "model"
-    shutil.copytree(k3_checkpoint[0], path)  # the session checkpoint stays without a converted folder
+    shutil.copytree(k3_checkpoint, path)  # the session checkpoint stays without a converted folder
     found = convert_checkpoint(path, path / CONVERTED_DIRNAME, target="gfx942", tp_size=1, progress=False,
                                log=lambda line: None)
 
@@ -89,7 +89,7 @@ def test_without_one_the_mxfp4_experts_are_converted_at_load(k3_checkpoint, sgla
                                                              gen):
     from kimi_k3_moe.formats import int4
 
-    layer = served_layer(k3_checkpoint[0])
+    layer = served_layer(k3_checkpoint)
     assert layer.quant_method.routed.backend.describe() == f"torch[int4/{int4.DEFAULT_METHOD}]"
     assert layer.w13_weight.numel() == 0
     check_against_reference(layer, gen)
@@ -101,4 +101,4 @@ def test_a_converted_folder_named_but_missing_stops_the_load(k3_checkpoint, sgla
 
     monkeypatch.setenv("KIMI_K3_MOE_CONVERTED", str(tmp_path / "nowhere"))
     with pytest.raises(ConvertedCheckpointError, match="nowhere does not exist"):
-        served_layer(k3_checkpoint[0])
+        served_layer(k3_checkpoint)
