@@ -6,11 +6,12 @@ from dataclasses import dataclass
 import torch
 
 from kimi_k3_moe.experts.format import MXFP4_FORMAT
+from kimi_k3_moe.experts.shapes import PackedShapes
 from kimi_k3_moe.formats import mxfp4
 
 
 @dataclass
-class ExpertWeights:
+class ExpertWeights(PackedShapes):
     """A layer's (or a rank's share of a layer's) experts in MXFP4, as checkpoints hold them.
 
     w13 rows [0, I) are the gate (checkpoint w1), rows [I, 2I) the up half (w3).
@@ -22,6 +23,7 @@ class ExpertWeights:
     w2_scale: torch.Tensor    # uint8 [E, H, I/32]
 
     format = MXFP4_FORMAT
+    W13_FIELD = "w13_packed"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -48,22 +50,6 @@ class ExpertWeights:
             if tuple(getattr(self, field).shape) != shape:
                 raise ValueError(f"ExpertWeights.{field} shape {tuple(getattr(self, field).shape)} "
                                  f"!= {shape} (from w13_packed {tuple(self.w13_packed.shape)})")
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13_packed.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13_packed.shape[2] * 2
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13_packed.shape[1] // 2
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13_packed.device
 
     @property
     def nbytes(self) -> int:

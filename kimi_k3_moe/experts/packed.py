@@ -18,6 +18,7 @@ import torch
 from kimi_k3_moe.experts.format import INT4, KINDS, MXFP4, WeightFormat
 from kimi_k3_moe.experts.int4 import Int4Experts
 from kimi_k3_moe.experts.mxfp4 import ExpertWeights
+from kimi_k3_moe.experts.shapes import PackedShapes
 from kimi_k3_moe.formats import int4, mxfp4
 
 
@@ -36,26 +37,6 @@ class Layout:
 
 
 CHECKPOINT_LAYOUT = Layout()
-
-
-class PackedShapes:
-    """Shape properties of a form whose `w13` field holds 4-bit codes [E, 2I, H/2], two per byte."""
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13.shape[2] * 2
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.device
 
 
 @dataclass

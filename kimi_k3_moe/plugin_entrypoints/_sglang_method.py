@@ -37,18 +37,8 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.loading import SelfCheckCache
 from kimi_k3_moe.platform import detect_platform
-from kimi_k3_moe.plugin_entrypoints.common import (
-    engine_activation,
-    layer_experts,
-    local_model_dir,
-    param_shapes,
-    refuse_under_capture,
-    register_params,
-    release_params,
-    restore_params,
-    serve_layer,
-    verify_against_hf,
-)
+from kimi_k3_moe.plugin_entrypoints import common
+from kimi_k3_moe.plugin_entrypoints.common import engine_activation, verify_against_hf
 from kimi_k3_moe.routed_experts import RoutedExperts
 
 logger = logging.getLogger("kimi_k3_moe")
@@ -183,23 +173,23 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                 f"moe_intermediate_size={full_intermediate} into such slices.")
         # The load-time cross-check: SGLang's betas against the model's config.json.
         self.activation = verify_against_hf(self.activation, model_hf_config(), where)
-        self._shapes = param_shapes(e, h, i)
-        register_params(layer, self._shapes, scale_fill=UE8M0_ONE, scale_method=GROUP_SCALE,
-                        set_attrs=set_weight_attrs, attrs=extra_weight_attrs)
+        self._shapes = common.param_shapes(e, h, i)
+        common.register_params(layer, self._shapes, scale_fill=UE8M0_ONE, scale_method=GROUP_SCALE,
+                               set_attrs=set_weight_attrs, attrs=extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self._released:
             return  # already converted; the checkpoint bytes were released (see restore_...)
-        experts = layer_experts(layer)
+        experts = common.layer_experts(layer)
         model = _model_config()
         tp_size, tp_rank = getattr(layer, "moe_tp_size", 1), getattr(layer, "moe_tp_rank", 0)
         first = getattr(layer, "moe_ep_rank", 0) * experts.num_experts  # EP holds a contiguous range
-        converted = dict(model_dir=local_model_dir(model.model_path, getattr(model, "revision", None)),
+        converted = dict(model_dir=common.local_model_dir(model.model_path, getattr(model, "revision", None)),
                          layer=layer.layer_id, tp_size=tp_size, tp_rank=tp_rank,
                          local_experts=range(first, first + experts.num_experts), num_experts=layer.num_experts,
                          hidden_size=experts.hidden_size, intermediate_size=experts.intermediate_size * tp_size)
-        self.routed = serve_layer(ENGINE, self.activation, experts, platform=detect_platform(),
-                                  checks=self.self_checks, layer_name=self.prefix, converted=converted)
+        self.routed = common.serve_layer(ENGINE, self.activation, experts, platform=detect_platform(),
+                                         checks=self.self_checks, layer_name=self.prefix, converted=converted)
         if not self.routed.holds_source(experts):
             self._release(layer)
 
@@ -214,13 +204,13 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                 f"kimi-k3-moe (SGLang MoE layer {self.prefix!r}): --enable-eplb moves experts by "
                 f"rewriting w13_weight/w2_weight at run time, but backend {self.routed.backend.describe()} "
                 "serves a converted copy that those moves would not reach.")
-        release_params(layer)
+        common.release_params(layer)
         self._released = True
 
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
         if not self._released:
             return
-        restore_params(layer, self._shapes, scale_fill=UE8M0_ONE)
+        common.restore_params(layer, self._shapes, scale_fill=UE8M0_ONE)
         self.routed, self._released = None, False
 
     # ---- runner ----------------------------------------------------------------------------
@@ -248,8 +238,8 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         if not TopKOutputChecker.format_is_standard(topk_output):
             raise UnsupportedSGLangSetup(f"kimi-k3-moe: top-k output format {topk_output.format!r} is "
                                          "not supported (standard top-k ids and weights only)")
-        refuse_under_capture(self.routed, f"kimi-k3-moe (SGLang MoE layer {self.prefix!r})",
-                             "launch with --disable-cuda-graph.", UnsupportedSGLangSetup)
+        common.refuse_under_capture(self.routed, f"kimi-k3-moe (SGLang MoE layer {self.prefix!r})",
+                                    "launch with --disable-cuda-graph.", UnsupportedSGLangSetup)
         out = self.routed(dispatch_output.hidden_states, topk_output.topk_weights, topk_output.topk_ids)
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None and scale != 1.0 and not layer.should_fuse_routed_scaling_factor_in_topk:

@@ -45,18 +45,8 @@ from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.loading import SelfCheckCache
 from kimi_k3_moe.platform import detect_platform
-from kimi_k3_moe.plugin_entrypoints.common import (
-    engine_activation,
-    is_situ,
-    layer_experts,
-    local_model_dir,
-    param_shapes,
-    refuse_under_capture,
-    register_params,
-    release_params,
-    serve_layer,
-    verify_against_hf,
-)
+from kimi_k3_moe.plugin_entrypoints import common
+from kimi_k3_moe.plugin_entrypoints.common import engine_activation, is_situ, verify_against_hf
 from kimi_k3_moe.routed_experts import RoutedExperts
 
 logger = logging.getLogger("kimi_k3_moe")
@@ -158,11 +148,11 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                 "moe_intermediate_size into such slices")
         if getattr(layer, "apply_router_weight_on_input", False):
             raise UnsupportedVllmSetup(f"{where}: apply_router_weight_on_input=True is not supported")
-        self._shapes = param_shapes(e, h, i)
+        self._shapes = common.param_shapes(e, h, i)
         # Zeros, not empty: K3's padding of I is left as created, and zero
         # codes decode to 0 under any scale.
-        register_params(layer, self._shapes, scale_fill=0, scale_method=BLOCK_SCALE, set_attrs=set_weight_attrs,
-                        attrs=extra_weight_attrs, loaders=(weight_loader, _scale_loader(weight_loader)))
+        common.register_params(layer, self._shapes, scale_fill=0, scale_method=BLOCK_SCALE, set_attrs=set_weight_attrs,
+                               attrs=extra_weight_attrs, loaders=(weight_loader, _scale_loader(weight_loader)))
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None  # no vLLM modular kernel: apply() runs the whole layer
@@ -173,17 +163,18 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                 raise RuntimeError(f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): parameters are "
                                    "empty but the layer was never prepared")
             return  # prepared before; the MXFP4 parameters were released then
-        loaded = layer_experts(layer)
+        loaded = common.layer_experts(layer)
         experts = unpad_intermediate(loaded, self.moe.intermediate_size_per_partition_unpadded)
         moe = self.moe
-        converted = dict(model_dir=local_model_dir(self.model, self.revision), layer=layer_index(self.layer_name),
+        converted = dict(model_dir=common.local_model_dir(self.model, self.revision),
+                         layer=layer_index(self.layer_name),
                          tp_size=moe.tp_size, tp_rank=moe.tp_rank, local_experts=local_expert_ids(layer),
                          num_experts=moe.num_experts, hidden_size=experts.hidden_size,
                          intermediate_size=experts.intermediate_size * moe.tp_size)
-        self.routed = serve_layer(ENGINE, self.activation, experts, platform=detect_platform(),
-                                  checks=self.self_checks, layer_name=self.layer_name, converted=converted)
+        self.routed = common.serve_layer(ENGINE, self.activation, experts, platform=detect_platform(),
+                                         checks=self.self_checks, layer_name=self.layer_name, converted=converted)
         if not self.routed.holds_source(loaded):
-            release_params(layer)
+            common.release_params(layer)
 
     # ---- forward ---------------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
@@ -193,8 +184,8 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         if routed is None:
             raise RuntimeError(f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): apply() before "
                                "process_weights_after_loading()")
-        refuse_under_capture(routed, f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r})",
-                             "start vLLM with --enforce-eager", UnsupportedVllmSetup)
+        common.refuse_under_capture(routed, f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r})",
+                                    "start vLLM with --enforce-eager", UnsupportedVllmSetup)
         # The shared experts are the runner's (it calls them and adds their output).
         return routed(x, topk_weights, topk_ids, layer.expert_map)
 

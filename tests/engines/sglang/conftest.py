@@ -43,37 +43,25 @@ def _checkpoint(tmp_path_factory, name: str, seed: int, **options):
     from sglang_k3 import SHAPE, add_attention_fields
 
     path = make_checkpoint(tmp_path_factory.mktemp(name), seed=seed, **SHAPE, **options)
-    return path, add_attention_fields(path)
+    add_attention_fields(path)
+    return path
 
 
 @pytest.fixture(scope="session")
-def _k3(tmp_path_factory, session_seed):
+def k3_checkpoint(tmp_path_factory, session_seed):
+    """The folder of a synthetic K3 checkpoint with 2-D scales (the vLLM suite's fixture of the same name)."""
     return _checkpoint(tmp_path_factory, "k3", session_seed)
 
 
 @pytest.fixture(scope="session")
-def _k3_4d(tmp_path_factory, session_seed):
+def k3_checkpoint_4d_scales(tmp_path_factory, session_seed):
+    """The same shape with the 4-D scales some exports write ([N, 1, K/32, 1])."""
     return _checkpoint(tmp_path_factory, "k3_4d", session_seed + 1, scale_4d=True)
 
 
 @pytest.fixture(scope="session")
-def k3_checkpoint(_k3):
-    """The folder of a synthetic K3 checkpoint with 2-D scales (the vLLM suite's fixture of the same name)."""
-    return _k3[0]
+def k3_config(k3_checkpoint):
+    """k3_checkpoint's config.json as a dict (with the attention fields SGLang's K3 model reads)."""
+    from sglang_k3 import config_of
 
-
-@pytest.fixture(scope="session")
-def k3_config(_k3):
-    """That checkpoint's config.json as a dict (with the attention fields SGLang's K3 model reads)."""
-    return _k3[1]
-
-
-@pytest.fixture(scope="session")
-def k3_checkpoint_4d_scales(_k3_4d):
-    """The same shape with the 4-D scales some exports write ([N, 1, K/32, 1])."""
-    return _k3_4d[0]
-
-
-@pytest.fixture(scope="session")
-def k3_config_4d_scales(_k3_4d):
-    return _k3_4d[1]
+    return config_of(k3_checkpoint)

@@ -12,8 +12,8 @@ import torch
 
 from moe_helpers import SITU
 from kimi_k3_moe.reference import moe_forward, relative_l2
-from sglang_k3 import (EXPERTS, INTER, LATENT, MOE_LAYERS, build_block, cpu_device_for_ep_dispatch, k3_topk,
-                       load_into, reference_experts, serving, tp_group_stand_in)
+from sglang_k3 import (EXPERTS, INTER, LATENT, MOE_LAYERS, build_block, config_of, cpu_device_for_ep_dispatch,
+                       k3_topk, load_into, reference_experts, serving, tp_group_stand_in)
 
 LAYER = MOE_LAYERS[0]
 TOKENS = 9
@@ -32,9 +32,9 @@ def routing_and_input(path, config, gen):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tp_ranks_hold_their_slice_and_partials_sum_to_the_layer(tp, k3_checkpoint_4d_scales, k3_config_4d_scales,
+def test_tp_ranks_hold_their_slice_and_partials_sum_to_the_layer(tp, k3_checkpoint_4d_scales,
                                                                    sglang_plugins_loaded, gen):
-    path, config = k3_checkpoint_4d_scales, k3_config_4d_scales
+    path, config = k3_checkpoint_4d_scales, config_of(k3_checkpoint_4d_scales)
     topk, x = routing_and_input(path, config, gen)
     whole = moe_forward(x.double(), *reference_experts(path, LAYER).tensors(), topk.topk_weights,
                         topk.topk_ids, SITU, compute_dtype=torch.float64)
@@ -58,7 +58,8 @@ def test_tp_ranks_hold_their_slice_and_partials_sum_to_the_layer(tp, k3_checkpoi
     assert relative_l2(total, whole) <= 1e-2
 
 
-def test_ep_ranks_skip_remote_experts_and_partials_sum_to_the_layer(k3_checkpoint, k3_config, sglang_plugins_loaded, gen):
+def test_ep_ranks_skip_remote_experts_and_partials_sum_to_the_layer(k3_checkpoint, k3_config, sglang_plugins_loaded,
+                                                                  gen):
     path, config = k3_checkpoint, k3_config
     ep = 4
     topk, x = routing_and_input(path, config, gen)
