@@ -32,7 +32,8 @@ from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.kernels.triton.probe import decode_rows  # noqa: E402
 from kimi_k3_moe.reference import dense_moe, relative_l2  # noqa: E402
-from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts  # noqa: E402
+from kimi_k3_moe.experts import Int4Experts# noqa: E402
+from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
 
 TOLERANCE = 1e-2
 # fp8 activations: against the float64 reference quantizing the same way (docs/FORMATS.md) ...

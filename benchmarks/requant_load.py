@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kimi_k3_moe.formats import int4, mxfp4  # noqa: E402
-from kimi_k3_moe.kernels.base import ExpertWeights  # noqa: E402
+from kimi_k3_moe.experts import ExpertWeights  # noqa: E402
 from kimi_k3_moe.weights.peak_memory import measure_peak  # noqa: E402
 from kimi_k3_moe.weights.requant import (CPU_CHUNK_BYTES, GPU_CHUNK_BYTES,  # noqa: E402
                                          requantize_experts)

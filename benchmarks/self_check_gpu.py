@@ -18,9 +18,10 @@ import torch
 
 import _common  # noqa: F401  (puts the repository on sys.path, as for the other benchmarks)
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import BackendChoice, detect_platform, plan_backends
+from kimi_k3_moe.dispatch import BackendChoice, plan_backends
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels import ExpertWeights, supported_act_dtypes
+from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.platform import detect_platform
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
 
@@ -58,7 +59,7 @@ def main() -> int:
     layer = k3_layer(args.experts, args.seed, device)
     rows, ok = [], True
     first = plan_backends(platform, {})[0]
-    for act_dtype in supported_act_dtypes(first.name, platform.arch):
+    for act_dtype in first.spec.act_dtypes(platform, platform.weight_format):
         for fmt in ("mxfp4", "int4"):
             plan = [BackendChoice(c.name, {**c.options, "weight_format": fmt}, c.reason)
                     for c in plan_backends(platform, {}, act_dtype=act_dtype)

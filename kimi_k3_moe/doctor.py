@@ -11,8 +11,10 @@ import torch
 from kimi_k3_moe import __version__, settings
 from kimi_k3_moe.cli import positive_int
 from kimi_k3_moe.configs import ConfigError, K3MoEConfig
-from kimi_k3_moe.dispatch import detect_platform, gfx_arch, plan_backends, resolve
+from kimi_k3_moe.dispatch import plan_backends
 from kimi_k3_moe.kernels.base import BackendUnavailable
+from kimi_k3_moe.loading import resolve
+from kimi_k3_moe.platform import arch_of, detect_platform
 
 HELP = "report versions, GPUs, the backend that would serve here, and (with --model) the MoE it would serve"
 OPTIONAL_PACKAGES = ("vllm", "sglang", "triton", "flydsl", "safetensors", "transformers")
@@ -42,8 +44,7 @@ def _gpus() -> list[str]:
     rows = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        arch = gfx_arch(p.gcnArchName) if torch.version.hip else f"sm_{p.major}{p.minor}"
-        rows.append(f"[{i}] {p.name}: {arch}, {p.total_memory / 2**30:.0f} GiB")
+        rows.append(f"[{i}] {p.name}: {arch_of(p)}, {p.total_memory / 2**30:.0f} GiB")
     return rows
 
 

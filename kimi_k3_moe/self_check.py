@@ -15,8 +15,10 @@ import torch
 from kimi_k3_moe import settings
 from kimi_k3_moe.act_quant import ActQuant
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.base import ExpertWeights, MoEBackend
+from kimi_k3_moe.experts import ExpertWeights, Int4Experts
+from kimi_k3_moe.kernels.base import MoEBackend
 from kimi_k3_moe.reference import dense_moe, relative_l2
+from kimi_k3_moe.weights.requant import to_format
 
 ENV_SELF_CHECK = settings.SELF_CHECK
 MODES = settings.SELF_CHECK_MODES
@@ -37,7 +39,7 @@ def self_check_mode(env=None) -> str:
 
 def run_self_check(
     backend: MoEBackend,
-    experts: ExpertWeights,
+    experts: ExpertWeights | Int4Experts,
     activation: ActivationSpec,
     *,
     num_experts: int = 4,
@@ -49,7 +51,7 @@ def run_self_check(
     n = min(num_experts, experts.num_experts)
     picked = torch.linspace(0, experts.num_experts - 1, n).round().long().unique()
     n = picked.numel()
-    sliced = experts.select(picked.to(device))
+    sliced = to_format(experts.select(picked.to(device)), backend.format, backend.describe())
     prepared = backend.prepare(sliced)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     top_k = min(2, n)

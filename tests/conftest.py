@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 
 import pytest
 import torch
@@ -14,10 +15,15 @@ def pytest_report_header(config):
     return f"kimi-k3-moe test seed: {_BASE_SEED} (replay with KIMI_K3_MOE_TEST_SEED={_BASE_SEED})"
 
 
+def _derived(nodeid: str) -> int:
+    # Distinct per test (or module), reproducible from the base seed: crc32, unlike hash(), is the
+    # same in every process.
+    return (_BASE_SEED + zlib.crc32(nodeid.encode()) % 100_003) % 2**31
+
+
 @pytest.fixture
 def seed(request) -> int:
-    # Distinct per test, reproducible from the base seed.
-    value = (_BASE_SEED + hash(request.node.nodeid) % 100_003) % 2**31
+    value = _derived(request.node.nodeid)
     print(f"seed={value} (base {_BASE_SEED})")
     return value
 
@@ -25,6 +31,14 @@ def seed(request) -> int:
 @pytest.fixture
 def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def module_gen(request) -> torch.Generator:
+    """For module-scoped data (e.g. one problem shared by a module's tests)."""
+    value = _derived(request.node.nodeid)
+    print(f"module seed={value} (base {_BASE_SEED})")
+    return torch.Generator().manual_seed(value)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 
 
 def random_experts(num_experts: int, hidden: int, inter: int, device, gen: torch.Generator) -> ExpertWeights:

@@ -1,115 +1,24 @@
 """The one interface every kernel backend implements.
 
 Dispatch, the engine plugins, the self-check, tests and benchmarks only
-speak this interface: `ExpertWeights` in, a backend's own prepared form in
-between, the MoE output out.
+speak this interface: experts in the backend's `WeightFormat` in (the load
+path converts them, `weights.requant.to_format`), a backend's own prepared form
+in between, the MoE output out.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kimi_k3_moe.act_quant import BF16_ACTIVATIONS, ActQuant
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.formats import mxfp4
+from kimi_k3_moe.experts import MXFP4_FORMAT, WeightFormat, require_format
+from kimi_k3_moe.formats import int4
 
-
-@dataclass
-class ExpertWeights:
-    """A layer's (or a rank's share of a layer's) experts in MXFP4, as checkpoints hold them.
-
-    w13 rows [0, I) are the gate (checkpoint w1), rows [I, 2I) the up half (w3).
-    """
-
-    w13_packed: torch.Tensor  # uint8 [E, 2I, H/2]
-    w13_scale: torch.Tensor   # uint8 [E, 2I, H/32]
-    w2_packed: torch.Tensor   # uint8 [E, H, I/2]
-    w2_scale: torch.Tensor    # uint8 [E, H, I/32]
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        for field in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
-            t = getattr(self, field)
-            if t.dtype != torch.uint8:
-                raise TypeError(f"ExpertWeights.{field} must be uint8, got {t.dtype}")
-            if t.dim() != 3:
-                raise ValueError(f"ExpertWeights.{field} must be 3-D [E, N, K'], got {tuple(t.shape)}")
-        e, two_i, half_h = self.w13_packed.shape
-        if two_i % 2:
-            raise ValueError(f"ExpertWeights.w13_packed rows ({two_i}) must be 2*I")
-        h, i = half_h * 2, two_i // 2
-        expected = {
-            "w13_scale": (e, two_i, h // mxfp4.BLOCK_SIZE),
-            "w2_packed": (e, h, i // 2),
-            "w2_scale": (e, h, i // mxfp4.BLOCK_SIZE),
-        }
-        if h % mxfp4.BLOCK_SIZE or i % mxfp4.BLOCK_SIZE:
-            raise ValueError(f"hidden {h} and intermediate {i} must be multiples of {mxfp4.BLOCK_SIZE}")
-        for field, shape in expected.items():
-            if tuple(getattr(self, field).shape) != shape:
-                raise ValueError(f"ExpertWeights.{field} shape {tuple(getattr(self, field).shape)} "
-                                 f"!= {shape} (from w13_packed {tuple(self.w13_packed.shape)})")
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13_packed.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13_packed.shape[2] * 2
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13_packed.shape[1] // 2
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13_packed.device
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.tensors())
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
-
-    def to(self, device: torch.device | str) -> "ExpertWeights":
-        return ExpertWeights(*(t.to(device) for t in self.tensors()))
-
-    def select(self, experts) -> "ExpertWeights":
-        """The experts at these local indices (a list, tensor or slice)."""
-        return ExpertWeights(*(t[experts] for t in self.tensors()))
-
-    def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 (w13 [2I, H], w2 [H, I]) of one expert."""
-        return (mxfp4.dequantize(self.w13_packed[expert], self.w13_scale[expert], name=f"w13[{expert}]"),
-                mxfp4.dequantize(self.w2_packed[expert], self.w2_scale[expert], name=f"w2[{expert}]"))
-
-
-class PackedExpertShapes:
-    """Shape properties of a backend's prepared experts whose `w13` field holds 4-bit codes
-    [E, 2I, H/2] (gate rows first), two per byte."""
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13.shape[2] * 2
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.device
+if TYPE_CHECKING:
+    from kimi_k3_moe.kernels.spec import BackendSpec
 
 
 class BackendUnavailable(RuntimeError):
@@ -119,7 +28,7 @@ class BackendUnavailable(RuntimeError):
 class MoEBackend(ABC):
     """A kernel family that can run the routed-expert MoE.
 
-    `prepare` converts MXFP4 experts once, at load; `forward` runs per batch.
+    `prepare` lays experts out once, at load; `forward` runs per batch.
     `dequantize_prepared` returns the float weights the prepared form encodes,
     which is what the self-check compares the kernel against. `act_quant` is the
     activation quantization the kernels apply (bf16: none); the self-check's
@@ -127,15 +36,35 @@ class MoEBackend(ABC):
     """
 
     name: str = "?"
+    spec: "BackendSpec"  # what it declares (kernels.spec): graph safety, self-check, how to make it
     act_quant: ActQuant = BF16_ACTIVATIONS
+    format: WeightFormat | None = MXFP4_FORMAT
+    prepared_types: tuple[type, ...] = ()  # its own prepared forms, which `prepare` takes as they are
 
     @abstractmethod
     def available(self) -> tuple[bool, str]:
         """(can run here, why or why not)."""
 
+    @property
+    def weight_format(self) -> str | None:
+        return None if self.format is None else self.format.kind
+
+    @property
+    def int4_method(self) -> str:
+        return (self.format.method if self.format is not None else None) or int4.DEFAULT_METHOD
+
+    def prepare(self, experts) -> Any:
+        """Experts in this backend's `format` (or its own prepared form) -> its prepared form."""
+        require_format(experts, self.format, self.describe(), self.prepared_types)
+        prepared = experts if isinstance(experts, self.prepared_types) else self.lay_out(experts)
+        fmt = getattr(prepared, "fmt", self.format.kind)
+        if fmt != self.format.kind:
+            raise ValueError(f"{self.describe()}: prepared experts are {fmt}, the backend runs {self.format.kind}")
+        return prepared
+
     @abstractmethod
-    def prepare(self, experts: ExpertWeights) -> Any:
-        """Convert MXFP4 experts into this backend's own layout."""
+    def lay_out(self, experts) -> Any:
+        """Experts already in this backend's format -> its prepared form (its layout)."""
 
     @abstractmethod
     def forward(
@@ -153,9 +82,9 @@ class MoEBackend(ABC):
         `expert_map`, names an expert on another rank and contributes nothing.
         """
 
-    @abstractmethod
     def dequantize_prepared(self, prepared: Any, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 (w13 [2I, H], w2 [H, I]) that the prepared form encodes."""
+        return prepared.dequantize(expert)
 
     def describe(self) -> str:
         return self.name

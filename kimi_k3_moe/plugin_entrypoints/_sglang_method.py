@@ -8,7 +8,9 @@ SGLang's side of the contract (0.5.23, `FusedMoEMethodBase`):
   layer's `weight_loader`, scales also `quant_method="group"`. E is this rank's
   experts and I this rank's slice: the loader narrows TP and maps EP.
 - `process_weights_after_loading` hands the bytes to `RoutedExperts` (backend
-  plan for the platform, self-check on a slice, prepare).
+  plan for the platform, self-check on a slice, prepare). On gfx942 a
+  pre-converted int4 checkpoint, when there is one, supplies the experts
+  instead (as in the vLLM adapter; `common.serve_layer`).
 - `runner` stays None: `get_moe_runner_backend()` is then None, which SGLang
   reads as "a direct kernel consuming standard TopK with local ids". Its
   dispatcher then passes this rank's local expert ids with -1 for experts held
@@ -33,8 +35,10 @@ from sglang.srt.utils import set_weight_attrs
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
-from kimi_k3_moe.plugin_entrypoints.common import engine_activation, log_serving_once, verify_against_hf
+from kimi_k3_moe.loading import SelfCheckCache
+from kimi_k3_moe.platform import detect_platform
+from kimi_k3_moe.plugin_entrypoints import common
+from kimi_k3_moe.plugin_entrypoints.common import engine_activation, verify_against_hf
 from kimi_k3_moe.routed_experts import RoutedExperts
 
 logger = logging.getLogger("kimi_k3_moe")
@@ -48,14 +52,6 @@ GROUP_SCALE = "group"  # FusedMoeWeightScaleSupported.GROUP.value: the loader's 
 # top-k finalize into its fused all-reduce (expecting FlashInfer's output);
 # the TRT-LLM runners pad the intermediate size to 128 before create_weights.
 CONFLICTING_RUNNER_BACKENDS = ("flashinfer_mxfp4", "flashinfer_trtllm", "flashinfer_trtllm_routed")
-
-# (name, dims as a function of E, H, I, fill, is a group scale)
-PARAMS = (
-    ("w13_weight", lambda e, h, i: (e, 2 * i, h // 2), 0, False),
-    ("w13_weight_scale", lambda e, h, i: (e, 2 * i, h // mxfp4.BLOCK_SIZE), UE8M0_ONE, True),
-    ("w2_weight", lambda e, h, i: (e, h, i // 2), 0, False),
-    ("w2_weight_scale", lambda e, h, i: (e, h, i // mxfp4.BLOCK_SIZE), UE8M0_ONE, True),
-)
 
 
 class UnsupportedSGLangSetup(RuntimeError):
@@ -111,10 +107,14 @@ def refuse_unsupported_setup(quant_config: Any, layer: Any, prefix: str) -> None
 
 def model_hf_config() -> Any:
     """The HF config SGLang built this process's model from (after any overrides)."""
+    return _model_config().hf_config
+
+
+def _model_config() -> Any:
     from sglang.srt.runtime_context import process_model_config
 
     try:
-        return process_model_config().hf_config
+        return process_model_config()
     except Exception as exc:
         raise RuntimeError(
             "kimi-k3-moe: cannot read the model's config through SGLang "
@@ -123,6 +123,8 @@ def model_hf_config() -> Any:
 
 class K3RoutedExpertsMethod(FusedMoEMethodBase):
     """Kimi-K3's routed experts (MXFP4 weights, SiTUv2) on kimi-k3-moe's backends."""
+
+    self_checks = SelfCheckCache()  # this process's: every layer of one shape is checked once
 
     def __init__(self, prefix: str, activation: ActivationSpec):
         super().__init__()
@@ -171,29 +173,25 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                 f"moe_intermediate_size={full_intermediate} into such slices.")
         # The load-time cross-check: SGLang's betas against the model's config.json.
         self.activation = verify_against_hf(self.activation, model_hf_config(), where)
-        self._shapes = {name: shape(e, h, i) for name, shape, _, _ in PARAMS}
-        self._register(layer, extra_weight_attrs)
-
-    def _register(self, layer: torch.nn.Module, attrs: dict[str, Any]) -> None:
-        for name, _, fill, group_scale in PARAMS:
-            param = torch.nn.Parameter(torch.full(self._shapes[name], fill, dtype=torch.uint8),
-                                       requires_grad=False)
-            layer.register_parameter(name, param)
-            set_weight_attrs(param, attrs)
-            if group_scale:
-                param.quant_method = GROUP_SCALE
+        self._shapes = common.param_shapes(e, h, i)
+        common.register_params(layer, self._shapes, scale_fill=UE8M0_ONE, scale_method=GROUP_SCALE,
+                               set_attrs=set_weight_attrs, attrs=extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if self._released:
             return  # already converted; the checkpoint bytes were released (see restore_...)
-        experts = ExpertWeights(layer.w13_weight.data, layer.w13_weight_scale.data,
-                                layer.w2_weight.data, layer.w2_weight_scale.data)
-        routed = RoutedExperts(self.activation, layer_name=self.prefix)
-        routed.load(experts)
-        self.routed = routed
-        if not routed.holds_source(experts):
+        experts = common.layer_experts(layer)
+        model = _model_config()
+        tp_size, tp_rank = getattr(layer, "moe_tp_size", 1), getattr(layer, "moe_tp_rank", 0)
+        first = getattr(layer, "moe_ep_rank", 0) * experts.num_experts  # EP holds a contiguous range
+        converted = dict(model_dir=common.local_model_dir(model.model_path, getattr(model, "revision", None)),
+                         layer=layer.layer_id, tp_size=tp_size, tp_rank=tp_rank,
+                         local_experts=range(first, first + experts.num_experts), num_experts=layer.num_experts,
+                         hidden_size=experts.hidden_size, intermediate_size=experts.intermediate_size * tp_size)
+        self.routed = common.serve_layer(ENGINE, self.activation, experts, platform=detect_platform(),
+                                         checks=self.self_checks, layer_name=self.prefix, converted=converted)
+        if not self.routed.holds_source(experts):
             self._release(layer)
-        log_serving_once(ENGINE, routed.backend.describe(), self.activation)
 
     def _release(self, layer: torch.nn.Module) -> None:
         # The backend converted the experts into its own form: drop the checkpoint
@@ -206,16 +204,13 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                 f"kimi-k3-moe (SGLang MoE layer {self.prefix!r}): --enable-eplb moves experts by "
                 f"rewriting w13_weight/w2_weight at run time, but backend {self.routed.backend.describe()} "
                 "serves a converted copy that those moves would not reach.")
-        for name in self._shapes:
-            getattr(layer, name).data = torch.empty(0, dtype=torch.uint8, device=layer.w13_weight.device)
+        common.release_params(layer)
         self._released = True
 
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
         if not self._released:
             return
-        device = layer.w13_weight.device
-        for name, _, fill, _ in PARAMS:
-            getattr(layer, name).data = torch.full(self._shapes[name], fill, dtype=torch.uint8, device=device)
+        common.restore_params(layer, self._shapes, scale_fill=UE8M0_ONE)
         self.routed, self._released = None, False
 
     # ---- runner ----------------------------------------------------------------------------
@@ -243,14 +238,8 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         if not TopKOutputChecker.format_is_standard(topk_output):
             raise UnsupportedSGLangSetup(f"kimi-k3-moe: top-k output format {topk_output.format!r} is "
                                          "not supported (standard top-k ids and weights only)")
-        if self.routed.backend.name == "torch" and torch.cuda.is_available() \
-                and torch.cuda.is_current_stream_capturing():
-            # SGLang captures decode batches in CUDA graphs right after loading; the
-            # torch backend picks experts with host round trips, which a capture forbids.
-            raise UnsupportedSGLangSetup(
-                f"kimi-k3-moe (SGLang MoE layer {self.prefix!r}): the layer is served by the torch "
-                "fallback backend, which cannot run inside a CUDA graph capture; see the log for why "
-                "the GPU backend was refused, or launch with --disable-cuda-graph.")
+        common.refuse_under_capture(self.routed, f"kimi-k3-moe (SGLang MoE layer {self.prefix!r})",
+                                    "launch with --disable-cuda-graph.", UnsupportedSGLangSetup)
         out = self.routed(dispatch_output.hidden_states, topk_output.topk_weights, topk_output.topk_ids)
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None and scale != 1.0 and not layer.should_fuse_routed_scaling_factor_in_topk:

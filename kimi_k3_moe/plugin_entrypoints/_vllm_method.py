@@ -31,7 +31,6 @@ vLLM's side of the contract (0.33.0):
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 
@@ -42,30 +41,18 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs.hf_dict import load_config_dict, text_config
-from kimi_k3_moe.dispatch import detect_platform
+from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
-from kimi_k3_moe.plugin_entrypoints.common import (
-    converted_source,
-    engine_activation,
-    is_situ,
-    log_serving_once,
-    verify_against_hf,
-)
+from kimi_k3_moe.loading import SelfCheckCache
+from kimi_k3_moe.platform import detect_platform
+from kimi_k3_moe.plugin_entrypoints import common
+from kimi_k3_moe.plugin_entrypoints.common import engine_activation, is_situ, verify_against_hf
 from kimi_k3_moe.routed_experts import RoutedExperts
 
 logger = logging.getLogger("kimi_k3_moe")
 
 ENGINE = "vllm"
 BLOCK_SCALE = "block"  # RoutedExperts.weight_loader: scale sharded like its weight
-
-# (name, shape as a function of E, H, I, is a scale)
-PARAMS = (
-    ("w13_weight", lambda e, h, i: (e, 2 * i, h // 2), False),
-    ("w13_weight_scale", lambda e, h, i: (e, 2 * i, h // mxfp4.BLOCK_SIZE), True),
-    ("w2_weight", lambda e, h, i: (e, h, i // 2), False),
-    ("w2_weight_scale", lambda e, h, i: (e, h, i // mxfp4.BLOCK_SIZE), True),
-)
 
 
 class UnsupportedVllmSetup(RuntimeError):
@@ -110,6 +97,8 @@ def refuse_activation_mismatch(moe: Any) -> None:
 
 class K3RoutedExpertsMethod(FusedMoEMethodBase):
     """Kimi-K3's routed experts (MXFP4 weights, SiTUv2) on kimi-k3-moe's backends."""
+
+    self_checks = SelfCheckCache()  # this process's: every layer of one shape is checked once
 
     def __init__(self, moe: Any, activation: ActivationSpec, model: str | None = None,
                  revision: str | None = None):
@@ -159,18 +148,11 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                 "moe_intermediate_size into such slices")
         if getattr(layer, "apply_router_weight_on_input", False):
             raise UnsupportedVllmSetup(f"{where}: apply_router_weight_on_input=True is not supported")
-        scale_loader = _scale_loader(weight_loader)
-        self._shapes = {name: shape(e, h, i) for name, shape, _ in PARAMS}
-        for name, _, is_scale in PARAMS:
-            # Zeros, not empty: K3's padding of I is left as created, and zero
-            # codes decode to 0 under any scale.
-            param = torch.nn.Parameter(torch.zeros(self._shapes[name], dtype=torch.uint8),
-                                       requires_grad=False)
-            layer.register_parameter(name, param)
-            set_weight_attrs(param, extra_weight_attrs)
-            set_weight_attrs(param, {"weight_loader": scale_loader if is_scale else weight_loader})
-            if is_scale:
-                param.quant_method = BLOCK_SCALE
+        self._shapes = common.param_shapes(e, h, i)
+        # Zeros, not empty: K3's padding of I is left as created, and zero
+        # codes decode to 0 under any scale.
+        common.register_params(layer, self._shapes, scale_fill=0, scale_method=BLOCK_SCALE, set_attrs=set_weight_attrs,
+                               attrs=extra_weight_attrs, loaders=(weight_loader, _scale_loader(weight_loader)))
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None  # no vLLM modular kernel: apply() runs the whole layer
@@ -181,35 +163,18 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                 raise RuntimeError(f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): parameters are "
                                    "empty but the layer was never prepared")
             return  # prepared before; the MXFP4 parameters were released then
-        loaded = ExpertWeights(layer.w13_weight.data, layer.w13_weight_scale.data,
-                               layer.w2_weight.data, layer.w2_weight_scale.data)
+        loaded = common.layer_experts(layer)
         experts = unpad_intermediate(loaded, self.moe.intermediate_size_per_partition_unpadded)
-        platform = detect_platform()
-        source, plan = experts, None
-        converted = self._converted(layer, platform, experts)
-        if converted is not None:
-            source, plan, _ = converted
-        routed = RoutedExperts(self.activation, platform=platform, plan=plan, layer_name=self.layer_name)
-        routed.load(source)
-        self.routed = routed
-        if not routed.holds_source(loaded):
-            self._release(layer)
-        log_serving_once(ENGINE, routed.backend.describe(), self.activation)
-
-    def _converted(self, layer: torch.nn.Module, platform: Any, experts: ExpertWeights):
         moe = self.moe
-        return converted_source(
-            platform, _local_model_dir(self.model, self.revision), layer=layer_index(self.layer_name),
-            tp_size=moe.tp_size, tp_rank=moe.tp_rank, local_experts=local_expert_ids(layer),
-            num_experts=moe.num_experts, hidden_size=experts.hidden_size,
-            intermediate_size=experts.intermediate_size * moe.tp_size, device=experts.device)
-
-    def _release(self, layer: torch.nn.Module) -> None:
-        # The backend holds its own copy (int4, a kernel layout, or the unpadded
-        # experts): drop the checkpoint bytes so the layer holds one copy.
-        device = layer.w13_weight.device
-        for name in self._shapes:
-            getattr(layer, name).data = torch.empty(0, dtype=torch.uint8, device=device)
+        converted = dict(model_dir=common.local_model_dir(self.model, self.revision),
+                         layer=layer_index(self.layer_name),
+                         tp_size=moe.tp_size, tp_rank=moe.tp_rank, local_experts=local_expert_ids(layer),
+                         num_experts=moe.num_experts, hidden_size=experts.hidden_size,
+                         intermediate_size=experts.intermediate_size * moe.tp_size)
+        self.routed = common.serve_layer(ENGINE, self.activation, experts, platform=detect_platform(),
+                                         checks=self.self_checks, layer_name=self.layer_name, converted=converted)
+        if not self.routed.holds_source(loaded):
+            common.release_params(layer)
 
     # ---- forward ---------------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
@@ -219,14 +184,8 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         if routed is None:
             raise RuntimeError(f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): apply() before "
                                "process_weights_after_loading()")
-        if routed.backend.name == "torch" and torch.cuda.is_available() \
-                and torch.cuda.is_current_stream_capturing():
-            # vLLM captures decode batches in CUDA graphs; the torch backend picks
-            # experts with host round trips, which a capture forbids.
-            raise UnsupportedVllmSetup(
-                f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): the layer is served by the torch "
-                "fallback backend, which cannot run inside a CUDA graph capture; see the log for why "
-                "the GPU backend was refused, or start vLLM with --enforce-eager")
+        common.refuse_under_capture(routed, f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r})",
+                                    "start vLLM with --enforce-eager", UnsupportedVllmSetup)
         # The shared experts are the runner's (it calls them and adds their output).
         return routed(x, topk_weights, topk_ids, layer.expert_map)
 
@@ -287,16 +246,3 @@ def local_expert_ids(layer: torch.nn.Module) -> list[int]:
     expert_map = expert_map.cpu()
     held = torch.nonzero(expert_map >= 0).flatten()
     return held[torch.argsort(expert_map[held])].tolist()
-
-
-def _local_model_dir(model: str | None, revision: str | None) -> str | None:
-    """The model's folder: the path vLLM was given, or its Hugging Face cache snapshot."""
-    if model is None or os.path.isdir(model):
-        return model
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, revision=revision, local_files_only=True, allow_patterns=["*.json"])
-    except Exception as exc:  # not cached, or not a hub id: only $KIMI_K3_MOE_CONVERTED can name a folder
-        logger.debug("kimi-k3-moe: no local folder for model %r (%s)", model, exc)
-        return None

@@ -1,9 +1,12 @@
-"""What the vLLM and SGLang adapters share: activation cross-checks and logging.
+"""What the vLLM and SGLang adapters share, so that each adapter is only its engine's conventions.
 
-Engines hand the MoE method their own idea of the activation (vLLM: the
-layer's moe config; SGLang: gemm1_alpha / gemm1_clamp_limit). Both have
-defaulted betas in the past, so the adapters compare the engine's values
-with the model's HF config and refuse a mismatch at load.
+- Activation cross-checks: engines hand the MoE method their own idea of the
+  activation (vLLM: the layer's moe config; SGLang: gemm1_alpha /
+  gemm1_clamp_limit). Both have defaulted betas in the past, so the adapters
+  compare the engine's values with the model's HF config and refuse a mismatch.
+- The parameter table (`EXPERT_PARAMS`), reading the loaded parameters as
+  `ExpertWeights`, releasing the checkpoint bytes, the CUDA-graph capture guard.
+- `serve_layer`: the pre-converted int4 lookup (gfx942), then the core's load.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from typing import Any
 
 from kimi_k3_moe import __version__
 from kimi_k3_moe.activation import HF_ACTIVATION_NAMES, SITUV2, ActivationSpec, UnsupportedActivationError
+from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.formats import mxfp4
 
 logger = logging.getLogger("kimi_k3_moe")
 PLUGIN_NAME = "kimi_k3_moe"
@@ -123,10 +128,11 @@ def converted_source(
     `local_experts` are the global ids this rank holds, in local order;
     `intermediate_size` is the model's full (unsharded, unpadded) size.
     """
-    from kimi_k3_moe.dispatch import INT4_ARCHS, BackendChoice, plan_backends
+    from kimi_k3_moe.dispatch import BackendChoice, plan_backends
+    from kimi_k3_moe.experts import INT4
     from kimi_k3_moe.weights.converted import find_converted
 
-    if not platform.is_gpu or platform.arch not in INT4_ARCHS:
+    if platform.weight_format != INT4:
         return None
     found = find_converted(model_dir, tp_size=tp_size, tp_rank=tp_rank, target=platform.arch,
                            num_experts=num_experts, hidden_size=hidden_size,
@@ -147,3 +153,99 @@ def converted_source(
         "kimi-k3-moe: layer %d, TP rank %d/%d: int4 experts (%s) read from the converted checkpoint %s",
         layer, tp_rank, tp_size, found.method, found.path)
     return experts, plan, found
+
+
+# (name, shape as a function of E, H, I, is a scale): the parameters both engines' loaders fill
+EXPERT_PARAMS = (
+    ("w13_weight", lambda e, h, i: (e, 2 * i, h // 2), False),
+    ("w13_weight_scale", lambda e, h, i: (e, 2 * i, h // mxfp4.BLOCK_SIZE), True),
+    ("w2_weight", lambda e, h, i: (e, h, i // 2), False),
+    ("w2_weight_scale", lambda e, h, i: (e, h, i // mxfp4.BLOCK_SIZE), True),
+)
+
+
+def param_shapes(e: int, h: int, i: int) -> dict[str, tuple[int, ...]]:
+    return {name: shape(e, h, i) for name, shape, _ in EXPERT_PARAMS}
+
+
+def register_params(layer: Any, shapes: dict[str, tuple[int, ...]], *, scale_fill: int, scale_method: str,
+                    set_attrs, attrs: dict[str, Any], loaders: tuple[Any, Any] | None = None) -> None:
+    """Register the four uint8 parameters (codes 0, scales `scale_fill`); scales carry
+    `quant_method=scale_method`, which makes the engine's loader shard them like their weights.
+    `loaders` (weight, scale) are set as each parameter's `weight_loader` when given."""
+    import torch
+
+    for name, _, is_scale in EXPERT_PARAMS:
+        param = torch.nn.Parameter(torch.full(shapes[name], scale_fill if is_scale else 0, dtype=torch.uint8),
+                                   requires_grad=False)
+        layer.register_parameter(name, param)
+        set_attrs(param, attrs)
+        if loaders is not None:
+            set_attrs(param, {"weight_loader": loaders[1] if is_scale else loaders[0]})
+        if is_scale:
+            param.quant_method = scale_method
+
+
+def restore_params(layer: Any, shapes: dict[str, tuple[int, ...]], *, scale_fill: int) -> None:
+    """The parameters back at their shapes (for a weight update after `release_params`)."""
+    import torch
+
+    device = layer.w13_weight.device
+    for name, _, is_scale in EXPERT_PARAMS:
+        getattr(layer, name).data = torch.full(shapes[name], scale_fill if is_scale else 0, dtype=torch.uint8,
+                                               device=device)
+
+
+def layer_experts(layer: Any) -> ExpertWeights:
+    """The layer's loaded parameters as ExpertWeights (no copy)."""
+    return ExpertWeights(layer.w13_weight.data, layer.w13_weight_scale.data,
+                         layer.w2_weight.data, layer.w2_weight_scale.data)
+
+
+def release_params(layer: Any) -> None:
+    """Drop the checkpoint bytes: the backend serves its own copy (int4, a kernel layout, unpadded experts),
+    so the layer holds one copy."""
+    import torch
+
+    device = layer.w13_weight.device
+    for name, _, _ in EXPERT_PARAMS:
+        getattr(layer, name).data = torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def refuse_under_capture(routed: Any, where: str, hint: str, error: type[Exception]) -> None:
+    """Engines capture decode batches in CUDA graphs; a backend that cannot run in one is refused there."""
+    import torch
+
+    if not routed.graph_safe and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise error(f"{where}: the layer is served by backend {routed.backend.describe()}, which cannot run "
+                    "inside a CUDA graph capture (it picks experts with host round trips); see the log for why "
+                    f"the GPU backend was refused, or {hint}")
+
+
+def local_model_dir(model: str | None, revision: str | None) -> str | None:
+    """The model's folder: the path the engine was given, or its Hugging Face cache snapshot."""
+    if model is None or os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision, local_files_only=True, allow_patterns=["*.json"])
+    except Exception as exc:  # not cached, or not a hub id: only $KIMI_K3_MOE_CONVERTED can name a folder
+        logger.debug("kimi-k3-moe: no local folder for model %r (%s)", model, exc)
+        return None
+
+
+def serve_layer(engine: str, activation: ActivationSpec, experts: ExpertWeights, *, platform: Any,
+                checks: Any, layer_name: str, converted: dict[str, Any] | None) -> Any:
+    """A loaded `RoutedExperts` for this layer: from the pre-converted int4 checkpoint when
+    `converted_source(platform, **converted)` finds one, else from `experts`."""
+    from kimi_k3_moe.routed_experts import RoutedExperts
+
+    source, plan = experts, None
+    found = converted_source(platform, **converted, device=experts.device) if converted is not None else None
+    if found is not None:
+        source, plan, _ = found
+    routed = RoutedExperts(activation, platform=platform, plan=plan, checks=checks, layer_name=layer_name)
+    routed.load(source)
+    log_serving_once(engine, routed.backend.describe(), activation)
+    return routed

@@ -18,6 +18,7 @@ from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels.flydsl import pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.tiles import Tier
+from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.tune.loop import TIMED, Candidate
 
 TIERS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
@@ -43,7 +44,7 @@ class FlyDSLTarget:
         self.shape, self.activation, self.arch, self.identity = shape, activation, arch, identity
         self.backend_obj = FlyDSLBackend(arch=arch)
         self.fmt = self.backend_obj.weight_format
-        self.prepared = self.backend_obj.prepare(experts)
+        self.prepared = prepare_for(self.backend_obj, experts)
         self.launch = launch or self.backend_obj._launch
         self.out_dir, self.rocm = Path(out_dir), rocm
         self._tiers = list(tiers or TIERS)

@@ -10,6 +10,7 @@ from kimi_k3_moe.configs import triton_table as tt
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton import tuning_space
+from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.tune.loop import TIMED, Candidate
 
 REGISTER_MARGIN = getattr(tuning_space, "REGISTER_MARGIN", 250)
@@ -29,7 +30,7 @@ class TritonTarget:
         self._tiers = list(tiers or tuning_space.TIERS)
         self.experts = experts
         self.is_cuda = experts.device.type == "cuda" and not getattr(torch.version, "hip", None)
-        self.prepared = get_backend("triton", weight_format=weight_format).prepare(experts)
+        self.prepared = prepare_for(get_backend("triton", weight_format=weight_format), experts)
 
     def tiers(self) -> list[int]:
         return self._tiers

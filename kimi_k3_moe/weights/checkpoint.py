@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 
 LAYER_PREFIXES = ("language_model.model.layers", "model.layers")
 INDEX_FILE = "model.safetensors.index.json"

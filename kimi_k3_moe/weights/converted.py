@@ -48,9 +48,11 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from kimi_k3_moe import __version__, settings
+from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.formats import int4
+from kimi_k3_moe.platform import INT4_ARCHS
 from kimi_k3_moe.weights.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader, read_layer_experts
-from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+from kimi_k3_moe.weights.requant import requantize_experts
 
 FORMAT = "kimi-k3-moe-int4"
 FORMAT_VERSION = 1
@@ -58,7 +60,7 @@ RECORD_FILE = "kimi_k3_moe_int4.json"
 PARTIAL_FILE = "kimi_k3_moe_int4.partial.json"  # progress of an unfinished conversion
 CONVERTED_DIRNAME = "kimi_k3_moe_int4"
 ENV_CONVERTED = settings.CONVERTED
-TARGETS = ("gfx942",)  # archs whose kernels read int4 (dispatch.INT4_ARCHS)
+TARGETS = INT4_ARCHS  # archs whose kernels read int4
 LAYOUT = ("int4 v1 (docs/FORMATS.md): w13 [E, 2I/tp, H/2] gate rows first, w2 [E, H, I/tp/2]; "
           "rank r holds intermediate rows [r*I/tp, (r+1)*I/tp) of w1 and w3 and those columns of w2")
 _SAMPLE_BLOCKS, _SAMPLE_BYTES = 16, 64 << 10

@@ -7,70 +7,16 @@ size (`benchmarks/requant_load.py` measures it, tests check it on the CPU).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from tqdm.auto import tqdm
 
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights, Int4Experts, WeightFormat, require_format
 
 # Scratch budget of one chunk. On a GPU a larger chunk amortises the
 # per-class loop of the search (a few hundred small kernels per chunk).
 CPU_CHUNK_BYTES = 256 << 20
 GPU_CHUNK_BYTES = 1 << 30
-
-
-@dataclass
-class Int4Experts:
-    """A layer's experts after conversion: w13 [E, 2I, H] and w2 [E, H, I] in int4."""
-
-    w13: int4.Int4Weights
-    w2: int4.Int4Weights
-
-    def __post_init__(self) -> None:
-        e, two_i, h = self.w13.shape
-        if self.w13.packed.dim() != 3 or two_i % 2:
-            raise ValueError(f"Int4Experts.w13 must be [E, 2I, H], got {self.w13.shape}")
-        if self.w2.shape != (e, h, two_i // 2):
-            raise ValueError(f"Int4Experts.w2 shape {self.w2.shape} != {(e, h, two_i // 2)} "
-                             f"(from w13 {self.w13.shape})")
-        if self.w13.method != self.w2.method:
-            raise ValueError(f"Int4Experts mixes methods: w13 {self.w13.method!r}, w2 {self.w2.method!r}")
-
-    @property
-    def method(self) -> str:
-        return self.w13.method
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.packed.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.w13.shape[2]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w13.shape[1] // 2
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.packed.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
-
-    def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13[expert].dequantize(), self.w2[expert].dequantize()
-
-    def select(self, experts) -> "Int4Experts":
-        """The experts at these local indices (a list, tensor or slice)."""
-        return Int4Experts(self.w13[experts], self.w2[experts])
-
-    def to(self, device: torch.device | str) -> "Int4Experts":
-        return Int4Experts(self.w13.to(device), self.w2.to(device))
 
 
 def conversion_device(preferred: torch.device | str | None, source: torch.device) -> torch.device:
@@ -115,17 +61,15 @@ def requantize_experts(
     return Int4Experts(w13, w2)
 
 
-def int4_experts_for(experts: ExpertWeights | Int4Experts, method: str, backend: str) -> Int4Experts:
-    """What an int4 backend runs: `experts` converted with `method`, or pre-converted ones.
+def to_format(experts, fmt: WeightFormat, where: str = "the load path"):
+    """`experts` in `fmt`: MXFP4 ExpertWeights as they are, or converted to int4 with `fmt`'s method.
 
     Pre-converted experts (a `kimi-k3-moe convert` checkpoint) are taken only
-    when their method is the backend's: methods are never mixed silently.
+    when their method is `fmt`'s: methods are never mixed silently. Anything
+    else (a backend's own prepared form) passes through for the backend to judge.
     """
-    if isinstance(experts, Int4Experts):
-        if experts.method != method:
-            raise ValueError(f"{backend}: pre-converted experts use int4 method {experts.method!r}, "
-                             f"but this backend is configured for {method!r}")
-        return experts
-    if not isinstance(experts, ExpertWeights):
-        raise TypeError(f"{backend}: expected ExpertWeights or Int4Experts, got {type(experts).__name__}")
-    return requantize_experts(experts, method=method)
+    if fmt.kind == "int4" and isinstance(experts, ExpertWeights):
+        return requantize_experts(experts, method=fmt.method)
+    if isinstance(experts, (ExpertWeights, Int4Experts)):
+        require_format(experts, fmt, where)
+    return experts

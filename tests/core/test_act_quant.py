@@ -13,32 +13,31 @@ import types
 import pytest
 import torch
 
+from moe_helpers import SITU, random_experts, random_routing
 from kimi_k3_moe import act_quant, dispatch, kernels
 from kimi_k3_moe.act_quant import ENV_ACT_DTYPE, ActQuant, UnsupportedActDtype, resolve_act_dtype
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import ENV_BACKEND, Platform, plan_backends
+from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import fp8, mxfp4
-from kimi_k3_moe.kernels import get_backend
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.kernels import BackendSpec, get_backend
+from kimi_k3_moe.platform import sm_version
 from kimi_k3_moe.kernels.torch.backend import TorchBackend
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 BOUND_VS_UNQUANTIZED = {"fp8": 2 ** -4, "fp4": 2 ** -2}
 
 
 def layer(gen, e=8, h=256, i=128):
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * 3 / h ** 0.5
-    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
-    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    return random_experts(gen, e, h, i)
 
 
 def routing(gen, t, e, k, h):
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16).double()
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(torch.int32)
-    return x, torch.rand(t, k, generator=gen).double() + 0.1, ids
+    weights, ids = random_routing(gen, t, e, k, floor=0.1)
+    return x, weights.double(), ids
 
 
 # ------------------------------------------------------------------ the setting
@@ -99,16 +98,26 @@ def test_flydsl_quantized_activations_need_mxfp4_weights():
         get_backend("flydsl", arch="gfx950", weight_format="int4", act_dtype="fp8")
 
 
-def test_a_backend_declaring_nothing_runs_bf16_only(monkeypatch):
-    """A stand-in module for a backend package without the hook (the Triton backend is not on this branch)."""
-    module = types.ModuleType("hookless_backend")
-    module.make_backend = lambda **options: ("made", options)
-    monkeypatch.setitem(sys.modules, "hookless_backend", module)
-    monkeypatch.setitem(kernels.BACKEND_MODULES, "hookless", "hookless_backend")
-    assert get_backend("hookless", weight_format="mxfp4") == ("made", {"weight_format": "mxfp4"})
-    assert kernels.supported_act_dtypes("hookless", "sm_90") == ("bf16",)
-    with pytest.raises(UnsupportedActDtype, match="hookless backend runs bf16 activations only"):
-        get_backend("hookless", act_dtype="fp8")
+def stand_in_spec(monkeypatch, name, **declared):
+    """A stand-in backend package in the Triton backend's place in the plan (index 1 of SPECS)."""
+    module = types.ModuleType(f"stand_in_{name}")
+    module.make_backend = lambda **options: options
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    spec = BackendSpec(name, module.__name__, lambda platform, fmt: (platform.vendor == "cuda", "stand-in"),
+                       **declared)
+    assert kernels.SPECS[1].name == "triton"
+    monkeypatch.setattr(kernels, "SPECS", (kernels.SPECS[0], spec, *kernels.SPECS[2:]))
+    return spec
+
+
+def test_a_backend_declaring_no_act_dtypes_runs_bf16_only(monkeypatch):
+    spec = stand_in_spec(monkeypatch, "plain")
+    assert get_backend("plain", weight_format="mxfp4") == {"weight_format": "mxfp4", "act_dtype": "bf16"}
+    assert spec.act_dtypes(Platform("cuda", "sm_90", "test"), "mxfp4") == ("bf16",)
+    ok, why = spec.supports(Platform("cuda", "sm_90", "test"), "mxfp4", "fp8")
+    assert not ok and "plain backend does not run fp8 activations" in why and why.endswith("supported there: bf16")
+    with pytest.raises(UnsupportedActDtype, match="fp8.*sm_90.*supported on sm_90: bf16$"):
+        plan("cuda", "sm_90", **{ENV_ACT_DTYPE: "fp8"})
 
 
 # ------------------------------------------------------------------ dispatch
@@ -205,15 +214,12 @@ def test_dispatch_module_names_the_setting_in_its_docstring():
     assert ENV_ACT_DTYPE in dispatch.__doc__
 
 
-def test_a_backend_plugs_fp8_in_through_its_hooks(monkeypatch):
-    """A stand-in for the Triton package (not on this branch) declaring fp8 on sm_90 with per-token
-    scales: the plan keeps it first and the torch fallback emulates the same scheme."""
-    module = types.ModuleType("hooked_triton")
-    module.supported_act_dtypes = lambda arch: ("bf16", "fp8") if dispatch.sm_version(arch) >= 89 else ("bf16",)
-    module.act_quant_for = lambda arch, act: ActQuant(act, "token", "token") if act == "fp8" else ActQuant(act)
-    module.make_backend = lambda **options: options
-    monkeypatch.setitem(sys.modules, "hooked_triton", module)
-    monkeypatch.setitem(kernels.BACKEND_MODULES, "triton", "hooked_triton")
+def test_a_backend_plugs_fp8_in_through_its_spec(monkeypatch):
+    """A stand-in for the Triton package declaring fp8 on sm_89+ with per-token scales: the plan keeps
+    it first and the torch fallback emulates the same scheme."""
+    stand_in_spec(monkeypatch, "triton",
+                  act_dtypes=lambda p, fmt: ("bf16", "fp8") if sm_version(p.arch) >= 89 else ("bf16",),
+                  act_quant_for=lambda arch, act: ActQuant(act, "token", "token") if act == "fp8" else ActQuant(act))
     got = plan("cuda", "sm_90", **{ENV_ACT_DTYPE: "fp8"})
     assert got == [("triton", {"weight_format": "mxfp4", "act_dtype": "fp8"}),
                    ("torch", {"weight_format": "mxfp4", "act_dtype": "fp8",

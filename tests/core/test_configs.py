@@ -1,6 +1,6 @@
 import pytest
 
-from kimi_k3_moe.activation import ActivationSpec
+from moe_helpers import SITU
 from kimi_k3_moe.configs import ConfigError, K3MoEConfig
 from kimi_k3_moe.weights.synthetic import synthetic_config
 
@@ -24,7 +24,7 @@ def test_kimi_k3_shapes_nested_and_flat():
         assert cfg.intermediate_per_rank(8) == 384 and cfg.intermediate_per_rank(16) == 192
         assert cfg.expert_bytes(8) == 2_193_408  # K3_FACTS / anchors: bytes per expert at TP8
         assert len(cfg.moe_layers()) == 92
-        assert cfg.activation == ActivationSpec.situv2(4.0, 25.0)
+        assert cfg.activation == SITU
         assert cfg.quantization.format == "mxfp4-pack-quantized"
         assert cfg.router.use_grouped_topk and cfg.router.renormalize
 

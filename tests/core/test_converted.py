@@ -7,12 +7,14 @@ import sys
 import pytest
 import torch
 
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.weights import CheckpointReader, read_layer_experts
 from kimi_k3_moe.weights import converted as conv
 from kimi_k3_moe.weights.requant import requantize_experts
 from kimi_k3_moe.weights.synthetic import make_checkpoint
+from kimi_k3_moe.loading import prepare_for
 
 SHAPE = dict(num_layers=3, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64,
              num_experts=8, num_experts_per_token=2)
@@ -67,12 +69,12 @@ def test_loaded_experts_serve_on_the_torch_backend(model, gen):
     found = convert(model, method="asym")
     loaded = found.load_layer(1, 0)
     backend = get_backend("torch", weight_format="int4", int4_method=found.method)
-    fresh = backend.prepare(read_layer_experts(CheckpointReader(model), 1, hidden_size=64,
+    fresh = prepare_for(backend, read_layer_experts(CheckpointReader(model), 1, hidden_size=64,
                                                intermediate_size=64, num_experts=8))
     hidden = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
     ids = torch.randint(0, 8, (5, 2), generator=gen, dtype=torch.int32)
     weights = torch.rand(5, 2, generator=gen)
-    situ = ActivationSpec.situv2(4.0, 25.0)
+    situ = SITU
     assert torch.equal(backend.forward(backend.prepare(loaded), hidden, weights, ids, situ),
                        backend.forward(fresh, hidden, weights, ids, situ))
 
@@ -159,12 +161,13 @@ def test_interrupted_conversion_is_refused_then_resumed(model, monkeypatch):
 
 def test_routed_experts_core_serves_a_converted_layer(model, gen):
     """The plugins' layer core loads pre-converted experts as it loads MXFP4 ones (torch backend)."""
-    from kimi_k3_moe.dispatch import BackendChoice, Platform
+    from kimi_k3_moe.dispatch import BackendChoice
+    from kimi_k3_moe.platform import Platform
     from kimi_k3_moe.reference import dense_moe, relative_l2
     from kimi_k3_moe.routed_experts import RoutedExperts
 
     found = convert(model)
-    situ = ActivationSpec.situv2(4.0, 25.0)
+    situ = SITU
     plan = [BackendChoice("torch", {"weight_format": "int4", "int4_method": found.method})]
     layer = RoutedExperts(situ, platform=Platform("cpu"), plan=plan, self_check="strict")
     experts = found.load_layer(1, 0)

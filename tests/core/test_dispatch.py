@@ -1,17 +1,17 @@
 import pytest
 import torch
 
-from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import ENV_BACKEND, Platform, plan_backends, resolve
-from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels import BackendUnavailable, ExpertWeights
+from moe_helpers import SITU, Choice, SiluOnlyBackend, broken_plan, random_experts, random_routing
+
+from kimi_k3_moe import dispatch
+from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
+from kimi_k3_moe.platform import Platform
+from kimi_k3_moe.kernels import BackendUnavailable
 from kimi_k3_moe.kernels.torch.backend import TorchBackend
+from kimi_k3_moe.loading import resolve
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check, self_check_mode
-from kimi_k3_moe import dispatch, routed_experts
-
-SITU = ActivationSpec.situv2(4.0, 25.0)
 
 
 def plan(vendor, arch=None, **env):
@@ -55,25 +55,6 @@ def test_resolve_skips_what_cannot_run():
         resolve(chain[:1])
 
 
-def random_experts(gen, e=5, h=64, i=32):
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * 3 / h ** 0.5
-    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
-    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
-
-
-class SiluOnlyBackend(TorchBackend):
-    """A deliberately broken kernel: computes SiLU whatever it is asked for."""
-    name = "silu-only"
-
-    def forward(self, prepared, hidden, topk_weights, topk_ids, activation, expert_map=None):
-        return super().forward(prepared, hidden, topk_weights, topk_ids, ActivationSpec.silu(), expert_map)
-
-
-class Choice(dispatch.BackendChoice):
-    def make(self):
-        return SiluOnlyBackend() if self.name == "silu-only" else super().make()
-
-
 def test_self_check_catches_a_kernel_ignoring_the_activation(gen):
     experts = random_experts(gen)
     assert run_self_check(TorchBackend(), experts, SITU) < 1e-2
@@ -82,9 +63,8 @@ def test_self_check_catches_a_kernel_ignoring_the_activation(gen):
 
 
 def test_routed_experts_falls_back_loudly_or_raises_when_strict(gen, caplog):
-    routed_experts._CHECKED.clear()
     experts = random_experts(gen)
-    chain = [Choice("silu-only", {}, "broken"), Choice("torch", {}, "reference")]
+    chain = broken_plan("broken")
     runner = RoutedExperts(SITU, platform=Platform("cpu"), plan=chain, self_check="fallback")
     with caplog.at_level("ERROR", logger="kimi_k3_moe"):
         runner.load(experts)
@@ -101,8 +81,7 @@ def test_routed_experts_runs_the_moe(gen):
     experts = random_experts(gen)
     runner = RoutedExperts(SITU, platform=Platform("cpu"))
     runner.load(experts)
-    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(7)]).to(torch.int32)
-    weights = torch.rand(7, 2, generator=gen)
+    weights, ids = random_routing(gen, 7, 5, 2)
     hidden = torch.randn(7, 64, generator=gen)
     expected = moe_forward(hidden.double(), *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
     assert relative_l2(runner(hidden, weights, ids), expected) < 1e-5

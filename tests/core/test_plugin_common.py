@@ -3,6 +3,7 @@ import logging
 
 import pytest
 
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec, UnsupportedActivationError
 from kimi_k3_moe.plugin_entrypoints import common
 
@@ -35,7 +36,7 @@ def test_is_situ_reads_names_and_enums():
 
 
 def test_engine_activation_names_and_unset_linear_beta():
-    assert common.engine_activation(FakeEnum(), 4.0, 25.0) == ActivationSpec.situv2(4.0, 25.0)
+    assert common.engine_activation(FakeEnum(), 4.0, 25.0) == SITU
     assert common.engine_activation("MoEActivation.SITU", 4.0, 0.0) == ActivationSpec.situv2(4.0, None)
     assert common.engine_activation("silu", None, None) == ActivationSpec.silu()
     with pytest.raises(UnsupportedActivationError, match="gelu"):
@@ -45,7 +46,7 @@ def test_engine_activation_names_and_unset_linear_beta():
 
 
 def test_mismatch_with_hf_config_is_refused():
-    good = ActivationSpec.situv2(4.0, 25.0)
+    good = SITU
     assert common.verify_against_hf(good, K3, "layer 3") == good
     with pytest.raises(ValueError, match="layer 3.*beta=1.*config.json says situv2\\(beta=4"):
         common.verify_against_hf(ActivationSpec.situv2(1.0, 25.0), K3, "layer 3")
@@ -57,6 +58,6 @@ def test_serving_line_logged_once(caplog):
     common._logged.clear()
     with caplog.at_level(logging.INFO, logger="kimi_k3_moe"):
         for _ in range(3):
-            common.log_serving_once("vllm", "triton[mxfp4]", ActivationSpec.situv2(4.0, 25.0))
+            common.log_serving_once("vllm", "triton[mxfp4]", SITU)
     lines = [r.getMessage() for r in caplog.records if "serving Kimi-K3" in r.getMessage()]
     assert len(lines) == 1 and "triton[mxfp4]" in lines[0] and "situv2(beta=4" in lines[0]

@@ -2,26 +2,16 @@
 import pytest
 import torch
 
+from moe_helpers import SITU, random_experts, random_routing
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels import ExpertWeights, get_backend
+from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.weights.requant import requantize_experts
+from kimi_k3_moe.loading import prepare_for
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
-
-
-def random_experts(gen, e=6, h=64, i=32, gain=3.0):
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * gain / h ** 0.5
-    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
-    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
-
-
-def random_routing(gen, tokens, e, k):
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)]).to(torch.int32)
-    weights = torch.rand(tokens, k, generator=gen)
-    return weights / weights.sum(-1, keepdim=True), ids
 
 
 def loop_float64(hidden, w13, w2, weights, ids, beta, linear_beta, silu=False):
@@ -48,8 +38,8 @@ def dense(experts):
 
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 def test_reference_matches_float64_loop(gen, tokens):
-    experts = random_experts(gen)
-    weights, ids = random_routing(gen, tokens, experts.num_experts, 3)
+    experts = random_experts(gen, e=6)
+    weights, ids = random_routing(gen, tokens, experts.num_experts, 3, normalize=True)
     hidden = torch.randn(tokens, experts.hidden_size, generator=gen, dtype=torch.float64)
     expected = loop_float64(hidden, *dense(experts), weights, ids, 4.0, 25.0)
     got = moe_forward(hidden, *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
@@ -60,15 +50,15 @@ def test_reference_matches_float64_loop(gen, tokens):
 
 @pytest.mark.parametrize("weight_format", ["mxfp4", "int4"])
 def test_torch_backend_matches_loop_and_honours_activation(gen, weight_format):
-    experts = random_experts(gen)
+    experts = random_experts(gen, e=6)
     backend = get_backend("torch", weight_format=weight_format)
-    prepared = backend.prepare(experts)
+    prepared = prepare_for(backend, experts)
     if weight_format == "int4":
         q = requantize_experts(experts, progress=False)
         w13, w2 = q.w13.dequantize(), q.w2.dequantize()
     else:
         w13, w2 = dense(experts)
-    weights, ids = random_routing(gen, 17, experts.num_experts, 2)
+    weights, ids = random_routing(gen, 17, experts.num_experts, 2, normalize=True)
     hidden = torch.randn(17, experts.hidden_size, generator=gen).to(torch.bfloat16)
     expected = loop_float64(hidden, w13, w2, weights, ids, 4.0, 25.0)
     expected_silu = loop_float64(hidden, w13, w2, weights, ids, 4.0, 25.0, silu=True)
@@ -80,8 +70,8 @@ def test_torch_backend_matches_loop_and_honours_activation(gen, weight_format):
 
 
 def test_tensor_parallel_partials_sum_to_full(gen):
-    experts = random_experts(gen, i=64)
-    weights, ids = random_routing(gen, 9, experts.num_experts, 3)
+    experts = random_experts(gen, e=6, i=64)
+    weights, ids = random_routing(gen, 9, experts.num_experts, 3, normalize=True)
     hidden = torch.randn(9, experts.hidden_size, generator=gen, dtype=torch.float64)
     full = moe_forward(hidden, *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
     tp, part = 2, experts.intermediate_size // 2
@@ -98,7 +88,7 @@ def test_tensor_parallel_partials_sum_to_full(gen):
 
 def test_expert_parallel_partials_sum_to_full(gen):
     experts = random_experts(gen, e=8)
-    weights, ids = random_routing(gen, 11, 8, 3)
+    weights, ids = random_routing(gen, 11, 8, 3, normalize=True)
     hidden = torch.randn(11, experts.hidden_size, generator=gen, dtype=torch.float64)
     full = moe_forward(hidden, *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
     owned = [[0, 3, 5], [1, 2, 4, 6, 7]]
@@ -118,7 +108,7 @@ def test_expert_parallel_partials_sum_to_full(gen):
 def test_negative_ids_are_remote_with_or_without_a_map(gen):
     """SGLang's EP dispatcher hands over local ids with -1 for experts on other ranks."""
     experts = random_experts(gen, e=8)
-    weights, ids = random_routing(gen, 9, 8, 3)
+    weights, ids = random_routing(gen, 9, 8, 3, normalize=True)
     hidden = torch.randn(9, experts.hidden_size, generator=gen, dtype=torch.float64)
     full = moe_forward(hidden, *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
     backend = get_backend("torch")
@@ -142,8 +132,8 @@ def test_negative_ids_are_remote_with_or_without_a_map(gen):
 
 
 def test_bad_shapes_are_refused(gen):
-    experts = random_experts(gen)
-    weights, ids = random_routing(gen, 4, experts.num_experts, 2)
+    experts = random_experts(gen, e=6)
+    weights, ids = random_routing(gen, 4, experts.num_experts, 2, normalize=True)
     with pytest.raises(ValueError, match="topk_ids"):
         moe_forward(torch.zeros(5, 64), *experts.tensors(), weights, ids, SITU)
     with pytest.raises(TypeError, match="topk_ids"):

@@ -4,9 +4,11 @@ import torch
 
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels import get_backend
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.weights.peak_memory import measure_peak
-from kimi_k3_moe.weights.requant import Int4Experts, conversion_device, requantize_experts
+from kimi_k3_moe.experts import Int4Experts
+from kimi_k3_moe.weights.requant import conversion_device, requantize_experts
+from kimi_k3_moe.loading import prepare_for
 
 
 def random_experts(gen, e=6, h=256, i=64):
@@ -101,7 +103,7 @@ def test_torch_backend_takes_preconverted_experts_of_its_method_only(gen):
     assert backend.int4_method == int4.DEFAULT_METHOD
     converted = requantize_experts(experts, progress=False)
     assert backend.prepare(converted) is converted
-    assert same_bits(backend.prepare(experts), converted)
+    assert same_bits(prepare_for(backend, experts), converted)  # the load path converts
     with pytest.raises(ValueError, match="use int4 method 'asym'.*configured for 'search'"):
         backend.prepare(requantize_experts(experts, method="asym", progress=False))
     with pytest.raises(ValueError, match="weight_format='mxfp4' was given int4 experts"):

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_helpers import SITU, random_experts, random_ids  # noqa: F401  (SITU: the suite imports it from here)
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.formats import int4, mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
-from kimi_k3_moe.weights.requant import Int4Experts
+from kimi_k3_moe.experts import Int4Experts
+from kimi_k3_moe.formats import int4
 
 REQUIRE = os.environ.get("KIMI_K3_MOE_REQUIRE_FLYDSL") == "1"
-SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
 
 
@@ -54,9 +53,7 @@ def output_dir(tmp_path_factory) -> Path:
 
 def random_layer(gen, *, experts=6, hidden=256, inter=256):
     """MXFP4 experts from scaled Gaussians (stage-1 outputs of a few units, like a real layer)."""
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 3 / hidden ** 0.5
-    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
-    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    return random_experts(gen, experts, hidden, inter)
 
 
 def with_offsets(gen, experts: Int4Experts) -> Int4Experts:
@@ -69,7 +66,7 @@ def with_offsets(gen, experts: Int4Experts) -> Int4Experts:
 
 def random_routing(gen, tokens, experts, top_k, hidden):
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).float()   # bf16 values, fp32 out
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    ids = random_ids(gen, tokens, experts, top_k)
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
     return x, weights, ids
 

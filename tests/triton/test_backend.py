@@ -6,30 +6,25 @@ activations, intermediate and output land near 3e-3 (5e-3 for int4, whose
 decoded weights are rounded to bf16); a wrong layout or activation lands
 far above 1e-2.
 """
-from dataclasses import replace
 
 import pytest
 import torch
 
 import triton_problems as P
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton.backend import TritonBackend
 from kimi_k3_moe.reference import dense_moe, relative_l2
-from kimi_k3_moe.weights.requant import Int4Experts, requantize_experts
+from kimi_k3_moe.experts import Int4Experts
+from kimi_k3_moe.weights.requant import requantize_experts
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
 TOL = 1e-2
 
-# big tiles: the interpreter's cost is per program
-GEMV = MoEConfig("gemv", 16, KernelConfig(64, 128, 4, 2), KernelConfig(128, 64, 4, 2), "bits")
-ALIGNED = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True), KernelConfig(64, 64, 4, 2, swap=True),
-                    "bits")
-ALIGNED_NOSWAP = replace(ALIGNED, block_m=32, stage1=replace(ALIGNED.stage1, swap=False),
-                         stage2=replace(ALIGNED.stage2, swap=False))
+GEMV, ALIGNED, ALIGNED_NOSWAP = P.GEMV, P.ALIGNED, P.ALIGNED_NOSWAP
 ALIGNED_WORDDOTS = MoEConfig("aligned", 16, KernelConfig(64, 128, 4, 2, swap=True, interleave=False),
                              KernelConfig(64, 64, 4, 2, swap=False), "bits")
 PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS}
@@ -46,16 +41,12 @@ def reference(backend, prepared, hidden, weights, ids, act, emap=None):
                      compute_dtype=torch.float64)
 
 
-def run(backend, prepared, hidden, weights, ids, act, emap=None):
-    out = torch.full_like(hidden, float("nan"))  # poisoned: every element must be written
-    backend.forward(prepared, hidden, weights, ids, act, emap, out=out)
-    assert torch.isfinite(out).all()
-    return out
+run = P.run
 
 
 @pytest.fixture(scope="module")
-def problem():
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+def problem(module_gen):
+    gen = module_gen
     ex = P.experts(gen)
     return ex, requantize_experts(ex, progress=False), gen
 
@@ -97,7 +88,7 @@ def test_betas_are_honoured(problem):
     hidden = P.hidden(gen, 4)
     weights, ids = P.routing(gen, 4)
     outs = []
-    for act in (ActivationSpec.situv2(4.0, 25.0), ActivationSpec.situv2(2.0, 1.5),
+    for act in (SITU, ActivationSpec.situv2(2.0, 1.5),
                 ActivationSpec.situv2(4.0, None)):
         out = run(backend, prepared, hidden, weights, ids, act)
         assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, act)) < TOL, act

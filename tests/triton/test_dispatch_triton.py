@@ -4,7 +4,9 @@ import sys
 
 import pytest
 
-from kimi_k3_moe.dispatch import ENV_BACKEND, Platform, plan_backends, resolve
+from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
+from kimi_k3_moe.platform import Platform
+from kimi_k3_moe.loading import resolve
 from kimi_k3_moe.kernels import BackendUnavailable, get_backend
 
 

@@ -14,12 +14,12 @@ Bounds (justified in docs/FORMATS.md, "fp8 activations in the Triton backend"):
   exceed 1e-2, or the activations were not quantized at all.
 """
 import re
-from dataclasses import replace
 
 import pytest
 import torch
 
 import triton_problems as P
+from moe_helpers import SITU
 from kimi_k3_moe import dispatch
 from kimi_k3_moe.act_quant import ActQuant, UnsupportedActDtype
 from kimi_k3_moe.activation import ActivationSpec
@@ -33,17 +33,12 @@ from kimi_k3_moe.kernels.triton.fp8_moe import ACT_QUANT, fp8_config, quantize_r
 from kimi_k3_moe.kernels.triton.probe import decode_fp8_rows
 from kimi_k3_moe.reference import dense_moe, relative_l2
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
 SAME_QUANT_BOUND = 1e-2
 VS_UNQUANTIZED_BOUND = 2 ** -4
 MIN_QUANT_EFFECT = 1e-2
 
-GEMV = MoEConfig("gemv", 16, KernelConfig(64, 128, 4, 2), KernelConfig(128, 64, 4, 2), "bits")
-ALIGNED = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True), KernelConfig(64, 64, 4, 2, swap=True),
-                    "bits")
-ALIGNED_NOSWAP = replace(ALIGNED, block_m=32, stage1=replace(ALIGNED.stage1, swap=False),
-                         stage2=replace(ALIGNED.stage2, swap=False))
+GEMV, ALIGNED, ALIGNED_NOSWAP = P.GEMV, P.ALIGNED, P.ALIGNED_NOSWAP
 PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP}
 
 
@@ -196,16 +191,12 @@ def reference(prepared, hidden, weights, ids, act, act_quant=None, emap=None):
                      compute_dtype=torch.float64, act_quant=act_quant)
 
 
-def run(backend, prepared, hidden, weights, ids, act, emap=None):
-    out = torch.full_like(hidden, float("nan"))  # poisoned: every element must be written
-    backend.forward(prepared, hidden, weights, ids, act, emap, out=out)
-    assert torch.isfinite(out).all()
-    return out
+run = P.run
 
 
 @pytest.fixture(scope="module")
-def problem():
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+def problem(module_gen):
+    gen = module_gen
     return P.experts(gen), gen
 
 

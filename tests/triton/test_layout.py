@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kimi_k3_moe.formats import int4, mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.kernels.triton import layout
 from kimi_k3_moe.kernels.triton._details import decode
 

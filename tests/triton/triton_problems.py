@@ -1,23 +1,38 @@
 """Tiny random MoE problems for the interpreter (K3-like magnitudes: stage-1 outputs RMS ~4)."""
+from dataclasses import replace
+
 import torch
 
-from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from moe_helpers import random_experts, random_routing
+
+from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+from kimi_k3_moe.experts import ExpertWeights
 
 E, H, I, TOPK = 6, 128, 64, 3
 
+# big tiles: the interpreter's cost is per program
+GEMV = MoEConfig("gemv", 16, KernelConfig(64, 128, 4, 2), KernelConfig(128, 64, 4, 2), "bits")
+ALIGNED = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True), KernelConfig(64, 64, 4, 2, swap=True),
+                    "bits")
+ALIGNED_NOSWAP = replace(ALIGNED, block_m=32, stage1=replace(ALIGNED.stage1, swap=False),
+                         stage2=replace(ALIGNED.stage2, swap=False))
+
 
 def experts(gen, e=E, h=H, i=I) -> ExpertWeights:
-    w13 = torch.randn(e, 2 * i, h, generator=gen) * 4 / h ** 0.5
-    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
-    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    return random_experts(gen, e, h, i, gain=4.0)
 
 
 def routing(gen, tokens, e=E, topk=TOPK):
-    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(tokens)]).to(torch.int32)
-    weights = torch.rand(tokens, topk, generator=gen) + 0.05
-    return weights / weights.sum(1, keepdim=True), ids
+    return random_routing(gen, tokens, e, topk, floor=0.05, normalize=True)
 
 
 def hidden(gen, tokens, h=H, dtype=torch.bfloat16):
     return torch.randn(tokens, h, generator=gen).to(dtype)
+
+
+def run(backend, prepared, hidden, weights, ids, act, emap=None):
+    """backend.forward into a NaN-poisoned `out`: every element must be written."""
+    out = torch.full_like(hidden, float("nan"))
+    backend.forward(prepared, hidden, weights, ids, act, emap, out=out)
+    assert torch.isfinite(out).all()
+    return out

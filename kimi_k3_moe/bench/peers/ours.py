@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from kimi_k3_moe.bench.peers.base import OURS, Peer, PeerUnavailable, Runner
 from kimi_k3_moe.kernels import BackendUnavailable, get_backend
+from kimi_k3_moe.loading import prepare_for
 
 
 class OursPeer(Peer):
@@ -27,7 +28,7 @@ class OursPeer(Peer):
         try:
             be = self._backend()
             be.require_available()
-            prepared = be.prepare(experts)
+            prepared = prepare_for(be, experts)
         except (BackendUnavailable, ValueError, TypeError) as exc:
             raise PeerUnavailable(str(exc)) from exc
 

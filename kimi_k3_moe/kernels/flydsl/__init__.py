@@ -12,11 +12,33 @@ Importing this package does not import flydsl.
 """
 from __future__ import annotations
 
+from kimi_k3_moe.act_quant import BF16
+from kimi_k3_moe.experts.format import INT4, MXFP4
+from kimi_k3_moe.kernels.spec import BackendSpec
+from kimi_k3_moe.platform import FLYDSL_ARCHS, hardware_act_dtypes
+
+__all__ = ["SPEC", "make_backend", "supported_act_dtypes"]
+
 
 def supported_act_dtypes(arch: str | None) -> tuple[str, ...]:
-    """gfx950: bf16, fp8 and fp4 activations; gfx942 (no scaled MFMA): bf16 only."""
-    from kimi_k3_moe.kernels.flydsl.config import ACT_DTYPES
-    return ACT_DTYPES.get(arch, ("bf16",))
+    """gfx950: bf16, fp8 and fp4 activations (its scaled MFMA); gfx942 (none): bf16 only."""
+    return hardware_act_dtypes(arch) if arch in FLYDSL_ARCHS else (BF16,)
+
+
+def _runs_on(platform, weight_format):
+    if platform.vendor != "rocm" or platform.arch not in FLYDSL_ARCHS:
+        return False, f"FlyDSL kernels exist for {FLYDSL_ARCHS} only and this machine is {platform}"
+    return True, ("no FP4 MFMA on gfx942: experts requantised to int4" if weight_format == INT4
+                  else "gfx950 runs MXFP4 weights directly")
+
+
+def _act_dtypes(platform, weight_format):
+    # quantized activations run on the scaled MFMA, which reads e2m1 weights
+    return supported_act_dtypes(platform.arch) if weight_format == MXFP4 else (BF16,)
+
+
+SPEC = BackendSpec("flydsl", __name__, _runs_on, act_dtypes=_act_dtypes, arch_bound=True,
+                   options=lambda platform, weight_format: {"arch": platform.arch})
 
 
 def make_backend(**options):

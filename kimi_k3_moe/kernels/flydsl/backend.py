@@ -17,28 +17,28 @@ import torch
 
 from kimi_k3_moe.act_quant import ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.formats import int4
-from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
+from kimi_k3_moe.experts import ExpertWeights, Int4Experts, WeightFormat
+from kimi_k3_moe.formats import int4, mxfp4
+from kimi_k3_moe.kernels.flydsl import SPEC
+from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.config import (ACT_DTYPES, BETA_MODES, REDUCTIONS, WEIGHT_FORMATS,
                                                KernelConfig, QuantConfig, check_arch)
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
-from kimi_k3_moe.weights.requant import Int4Experts, int4_experts_for
+from kimi_k3_moe.platform import Platform, detect_platform, is_rocm
 
-DEFAULT_FORMAT = {"gfx942": "int4", "gfx950": "mxfp4"}
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
 
 
 def detect_arch(device: int = 0) -> str | None:
     """gfx arch of a ROCm GPU torch sees, or None (no GPU, or not a ROCm build)."""
-    if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
-        return None
-    from kimi_k3_moe.dispatch import gfx_arch
-    return gfx_arch(torch.cuda.get_device_properties(device).gcnArchName)
+    found = detect_platform(device)
+    return found.arch if found.vendor == "rocm" else None
 
 
 class FlyDSLBackend(MoEBackend):
     name = "flydsl"
+    spec = SPEC
 
     def __init__(self, arch: str | None = None, weight_format: str | None = None, *,
                  int4_method: str = int4.DEFAULT_METHOD,
@@ -47,7 +47,7 @@ class FlyDSLBackend(MoEBackend):
         self.arch = check_arch(arch) if arch is not None else detect_arch(device)
         if self.arch is not None:
             check_arch(self.arch)
-        fmt = weight_format or (DEFAULT_FORMAT[self.arch] if self.arch else None)
+        fmt = weight_format or (Platform("rocm", self.arch).weight_format if self.arch else None)
         if self.arch and fmt not in WEIGHT_FORMATS[self.arch]:
             raise ValueError(f"flydsl on {self.arch}: weight_format {fmt!r} not in {WEIGHT_FORMATS[self.arch]}")
         if betas not in BETA_MODES:
@@ -62,8 +62,7 @@ class FlyDSLBackend(MoEBackend):
             raise ValueError(f"flydsl on {self.arch}: act_dtype {act_dtype!r} runs on MXFP4 weights "
                              f"(the scaled MFMA reads e2m1), not {fmt!r}")
         self.act_quant = ActQuant.for_dtype(act_dtype)
-        self.weight_format = fmt
-        self.int4_method = int4_method
+        self.format = WeightFormat.of(fmt, int4_method) if fmt else None
         self.betas = betas
         self.reduce = reduce
         self._compiled: dict[KernelConfig, Any] = {}
@@ -84,7 +83,7 @@ class FlyDSLBackend(MoEBackend):
             importlib.import_module("flydsl.compiler")
         except Exception as exc:   # flydsl missing, or numpy (an undeclared dependency) missing
             return False, f"flydsl does not import here ({type(exc).__name__}: {exc}); pip install 'kimi-k3-moe[flydsl]'"
-        if not getattr(torch.version, "hip", None):
+        if not is_rocm():
             return False, f"torch {torch.__version__} is not a ROCm build: FlyDSL kernels need an AMD GPU"
         if not torch.cuda.is_available():
             return False, "no AMD GPU visible to torch (ROCm build, but torch.cuda.is_available() is False)"
@@ -108,22 +107,12 @@ class FlyDSLBackend(MoEBackend):
         return True, f"flydsl {version('flydsl')} on {self.arch} ({torch.cuda.get_device_name(self.device_index)})"
 
     # ------------------------------------------------------------------ weights
+    prepared_types = (FlyDSLExperts,)
+
     def prepare(self, experts: ExpertWeights | Int4Experts | FlyDSLExperts) -> FlyDSLExperts:
         if self.arch is None:
             raise BackendUnavailable("flydsl: no arch given and no AMD GPU detected")
-        if isinstance(experts, FlyDSLExperts):
-            prepared = experts
-        elif isinstance(experts, Int4Experts) and self.weight_format != "int4":
-            raise ValueError(f"flydsl[{self.arch}] runs {self.weight_format} weights; got int4")
-        elif isinstance(experts, (ExpertWeights, Int4Experts)) and self.weight_format == "int4":
-            prepared = FlyDSLExperts.from_int4(int4_experts_for(experts, self.int4_method, "flydsl"))
-        elif isinstance(experts, ExpertWeights):
-            prepared = FlyDSLExperts.from_mxfp4(experts)
-        else:
-            raise TypeError(f"flydsl.prepare takes ExpertWeights, Int4Experts or FlyDSLExperts, "
-                            f"got {type(experts).__name__}")
-        if prepared.weight_format != self.weight_format:
-            raise ValueError(f"flydsl[{self.arch}] runs {self.weight_format} weights; got {prepared.weight_format}")
+        prepared = super().prepare(experts)
         try:   # a shape the kernels cannot tile is a reason to use another backend, found at load
             tiles.stage_configs(self.arch, self.weight_format, hidden=prepared.hidden_size,
                                 inter=prepared.intermediate_size, top_k=1, num_tokens=1,
@@ -133,8 +122,13 @@ class FlyDSLBackend(MoEBackend):
             raise BackendUnavailable(f"flydsl cannot serve this layer: {exc}") from exc
         return prepared
 
-    def dequantize_prepared(self, prepared: FlyDSLExperts, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return prepared.dequantize(expert)
+    def lay_out(self, experts: ExpertWeights | Int4Experts) -> FlyDSLExperts:
+        if isinstance(experts, ExpertWeights):
+            for name, scale in (("w13_scale", experts.w13_scale), ("w2_scale", experts.w2_scale)):
+                nan = int((scale == mxfp4.E8M0_NAN).sum())
+                if nan:
+                    raise ValueError(f"ExpertWeights.{name} holds {nan} NaN scale byte(s) (0xFF)")
+        return FlyDSLExperts.from_experts(experts)
 
     # ------------------------------------------------------------------ running
     def forward(self, prepared: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,

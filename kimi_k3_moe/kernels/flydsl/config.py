@@ -13,13 +13,14 @@ from dataclasses import dataclass, replace
 
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec
 from kimi_k3_moe.kernels.flydsl import layout
+from kimi_k3_moe.platform import FLYDSL_ARCHS, hardware_act_dtypes
 
-ARCHS = ("gfx942", "gfx950")
+ARCHS = FLYDSL_ARCHS
 # gfx942 (CDNA3) has no FP4 matrix path or FP4 convert: it reads int4 requantised at load.
 WEIGHT_FORMATS = {"gfx942": ("int4",), "gfx950": ("mxfp4", "int4")}
 # Activation dtypes per arch: fp8/fp4 run on gfx950's scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4),
 # which gfx942 lacks (LLVM aborts); they read MXFP4 weights only.
-ACT_DTYPES = {"gfx942": ("bf16",), "gfx950": ("bf16", "fp8", "fp4")}
+ACT_DTYPES = {arch: hardware_act_dtypes(arch) for arch in ARCHS}
 # bf16 MFMA each arch has: gfx950's K=32 form does not exist on gfx942 (LLVM aborts).
 MFMA = {"gfx942": "16x16x16", "gfx950": "16x16x32"}
 ACTIVATIONS = (SILU, SITUV2)

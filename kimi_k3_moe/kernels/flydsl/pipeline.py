@@ -100,8 +100,8 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     _check_ids(local, E)
     x = hidden.to(torch.bfloat16).contiguous()
     tw = topk_weights.to(torch.float32).contiguous()
-    w13, s13, o13 = experts.tensors("w13")
-    w2, s2, o2 = experts.tensors("w2")
+    w13, s13, o13 = experts.kernel_args("w13")
+    w2, s2, o2 = experts.kernel_args("w2")
     step = min(chunk_tokens or T, max_chunk_tokens(H, I, k, E))
     quantized = act_dtype != "bf16"
     for start in range(0, T, step):

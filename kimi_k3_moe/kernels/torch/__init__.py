@@ -1,14 +1,20 @@
 """The pure-PyTorch backend: the reference's arithmetic, on any device."""
 from kimi_k3_moe.act_quant import ACT_DTYPES
-from kimi_k3_moe.kernels.torch.backend import TorchBackend
+from kimi_k3_moe.kernels.spec import BackendSpec
 
-__all__ = ["TorchBackend", "make_backend", "supported_act_dtypes"]
-
-
-def supported_act_dtypes(arch: str | None) -> tuple[str, ...]:
-    """Every act dtype on any arch: quantized activations are emulated (quantize, dequantize, fp32)."""
-    return ACT_DTYPES
+__all__ = ["SPEC", "make_backend"]
 
 
-def make_backend(**options) -> TorchBackend:
+def _runs_on(platform, weight_format):
+    return True, "pure PyTorch, runs anywhere (the last fallback)"
+
+
+# Every act dtype on any arch: quantized activations are emulated (quantize, dequantize, fp32).
+# Picks experts with host round trips, so it cannot run inside a CUDA graph capture.
+SPEC = BackendSpec("torch", __name__, _runs_on, act_dtypes=lambda platform, fmt: ACT_DTYPES,
+                   graph_safe=False, self_checked=False, emulates=True)
+
+
+def make_backend(**options):
+    from kimi_k3_moe.kernels.torch.backend import TorchBackend
     return TorchBackend(**options)

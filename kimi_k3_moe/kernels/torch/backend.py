@@ -16,60 +16,41 @@ import torch
 
 from kimi_k3_moe.act_quant import ActQuant, resolve_act_dtype
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.experts import ExpertWeights, Int4Experts, WeightFormat
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.kernels.base import ExpertWeights, MoEBackend
+from kimi_k3_moe.kernels.torch import SPEC
+from kimi_k3_moe.kernels.base import MoEBackend
 from kimi_k3_moe.reference import dense_moe
-from kimi_k3_moe.weights.requant import Int4Experts, int4_experts_for
-
-WEIGHT_FORMATS = ("mxfp4", "int4")
 
 
 class TorchBackend(MoEBackend):
     name = "torch"
+    spec = SPEC
 
     def __init__(self, weight_format: str = "mxfp4", int4_method: str = int4.DEFAULT_METHOD,
                  compute_dtype: torch.dtype = torch.float32, act_dtype: str = "bf16",
                  act_quant: ActQuant | None = None):
-        if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"torch backend: weight_format {weight_format!r} not in {WEIGHT_FORMATS}")
-        if int4_method not in int4.METHODS:
-            raise ValueError(f"torch backend: int4_method {int4_method!r} not in {int4.METHODS}")
+        try:
+            self.format = WeightFormat.of(weight_format, int4_method)
+        except ValueError as exc:
+            raise ValueError(f"torch backend: {exc}") from None
         act_dtype = resolve_act_dtype(act_dtype)
         act_quant = act_quant or ActQuant.for_dtype(act_dtype)
         if act_quant.dtype != act_dtype:
             raise ValueError(f"torch backend: act_quant {act_quant} does not match act_dtype {act_dtype!r}")
-        self.weight_format = weight_format
-        self.int4_method = int4_method
         self.compute_dtype = compute_dtype
         self.act_quant = act_quant
 
     def describe(self) -> str:
-        fmt = f"int4/{self.int4_method}" if self.weight_format == "int4" else self.weight_format
         act = f", {self.act_quant.tag()} emulated" if self.act_quant.quantizes else ""
-        return f"{self.name}[{fmt}{act}]"
+        return f"{self.name}[{self.format}{act}]"
 
     def available(self) -> tuple[bool, str]:
         return True, "PyTorch runs everywhere"
 
-    def prepare(self, experts: ExpertWeights | Int4Experts) -> ExpertWeights | Int4Experts:
-        """MXFP4 experts, converted to int4 when asked; or experts converted ahead of time.
-
-        Pre-converted experts (a `kimi-k3-moe convert` checkpoint) are taken
-        as they are only for weight_format="int4" and only when their method
-        is this backend's `int4_method`: methods are never mixed silently.
-        """
-        if self.weight_format == "int4":
-            return int4_experts_for(experts, self.int4_method, "torch backend")
-        if isinstance(experts, Int4Experts):
-            raise ValueError(f"torch backend with weight_format={self.weight_format!r} was given "
-                             "int4 experts; it needs the MXFP4 ones")
-        if not isinstance(experts, ExpertWeights):
-            raise TypeError(f"torch backend with weight_format={self.weight_format!r} needs MXFP4 "
-                            f"ExpertWeights, got {type(experts).__name__}")
+    def lay_out(self, experts: ExpertWeights | Int4Experts) -> ExpertWeights | Int4Experts:
+        """The experts as they are: this backend decodes the formats' own layout."""
         return experts
-
-    def dequantize_prepared(self, prepared, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return prepared.dequantize(expert)
 
     def forward(self, prepared, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, activation: ActivationSpec,

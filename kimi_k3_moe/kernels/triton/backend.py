@@ -16,17 +16,19 @@ from functools import lru_cache
 
 import torch
 
-from kimi_k3_moe.act_quant import BF16, FP8, check_supported, resolve_act_dtype
+from kimi_k3_moe.act_quant import BF16, FP8, check_supported
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs import triton_table
 from kimi_k3_moe.configs.triton_table import Lookup, MoEConfig
-from kimi_k3_moe.kernels.base import BackendUnavailable, ExpertWeights, MoEBackend
+from kimi_k3_moe.experts import MXFP4, WeightFormat
+from kimi_k3_moe.formats import int4
+from kimi_k3_moe.kernels.triton import SPEC
+from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.triton import fp8_layout
 from kimi_k3_moe.kernels.triton.fp8_layout import Fp8Experts
-from kimi_k3_moe.kernels.triton.layout import INT4, MXFP4, WEIGHT_FORMATS, TritonExperts, from_int4, from_mxfp4
+from kimi_k3_moe.kernels.triton.layout import TritonExperts
+from kimi_k3_moe.platform import TRITON_MIN_SM, detect_platform, is_rocm
 from kimi_k3_moe.reference import check_routing
-from kimi_k3_moe.formats import int4
-from kimi_k3_moe.weights.requant import Int4Experts, int4_experts_for
 
 ENV_INTERPRET = "TRITON_INTERPRET"
 DEFAULT_CHUNK_TOKENS = 16384
@@ -47,14 +49,12 @@ def detect_arch() -> str | None:
         return INTERPRETER_ARCH
     if not torch.cuda.is_available():
         return None
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    if getattr(torch.version, "hip", None):
-        return props.gcnArchName.split(":", 1)[0]
-    return f"sm_{props.major}{props.minor}"
+    return detect_platform(torch.cuda.current_device()).arch
 
 
 class TritonBackend(MoEBackend):
     name = "triton"
+    spec = SPEC
 
     def __init__(self, weight_format: str = MXFP4, int4_method: str = int4.DEFAULT_METHOD, *,
                  config: MoEConfig | None = None, decode: str | None = None,
@@ -66,16 +66,15 @@ class TritonBackend(MoEBackend):
         per-pair buffers). `act_dtype` "fp8" runs e4m3 activations (sm_89/sm_90+
         and the interpreter; MXFP4 weights) with the scheme `fp8_moe.ACT_QUANT`;
         `arch` ("sm_90", "gfx942", ...) defaults to this machine's."""
-        if weight_format not in WEIGHT_FORMATS:
-            raise ValueError(f"triton backend: weight_format {weight_format!r} not in {WEIGHT_FORMATS}")
+        try:
+            fmt = WeightFormat.of(weight_format, int4_method)
+        except ValueError as exc:
+            raise ValueError(f"triton backend: {exc}") from None
         if decode not in (None, *triton_table.DECODES):
             raise ValueError(f"triton backend: decode {decode!r} not in {triton_table.DECODES}")
-        if int4_method not in int4.METHODS:
-            raise ValueError(f"triton backend: int4_method {int4_method!r} not in {int4.METHODS}")
         if chunk_tokens < 1:
             raise ValueError(f"triton backend: chunk_tokens must be >= 1, got {chunk_tokens}")
         from kimi_k3_moe.kernels.triton import act_quant_for, supported_act_dtypes
-        act_dtype = resolve_act_dtype(act_dtype)
         self.arch = arch if arch is not None else detect_arch()
         supported = INTERPRETER_ACT_DTYPES if self.arch == INTERPRETER_ARCH else supported_act_dtypes(self.arch)
         check_supported(self.name, self.arch, act_dtype, supported)
@@ -84,19 +83,17 @@ class TritonBackend(MoEBackend):
                              f"weight_format {weight_format!r} has no fp8 kernels")
         self.act_dtype = act_dtype
         self.act_quant = act_quant_for(self.arch, act_dtype)
-        self.weight_format = weight_format
-        self.int4_method = int4_method
+        self.format = fmt
+        self.prepared_types = (Fp8Experts,) if act_dtype == FP8 else (TritonExperts,)
         self.config = config
         self.decode = decode
         self.table = table
         self.chunk_tokens = chunk_tokens
 
     def describe(self) -> str:
-        if self.weight_format == INT4:
-            return f"{self.name}[int4/{self.int4_method}]"
         if self.act_quant.quantizes:
-            return f"{self.name}[{self.weight_format}, {self.act_quant.tag()}]"
-        return f"{self.name}[{self.weight_format}]"
+            return f"{self.name}[{self.format}, {self.act_quant.tag()}]"
+        return f"{self.name}[{self.format}]"
 
     # -- where it runs --------------------------------------------------
     def available(self) -> tuple[bool, str]:
@@ -108,11 +105,11 @@ class TritonBackend(MoEBackend):
             return False, ("no GPU visible to PyTorch (torch.cuda.is_available() is False); the Triton "
                            "kernels need an NVIDIA sm_80+ or AMD GPU (TRITON_INTERPRET=1 runs them on "
                            "the CPU interpreter, for tests only)")
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        if not getattr(torch.version, "hip", None) and (props.major, props.minor) < (8, 0):
-            return False, f"{props.name} is sm_{props.major}{props.minor}; the Triton kernels need sm_80 or newer"
+        here = detect_platform(torch.cuda.current_device())
+        if here.vendor == "cuda" and here.sm < TRITON_MIN_SM:
+            return False, f"{here.device_name} is {here.arch}; the Triton kernels need sm_{TRITON_MIN_SM} or newer"
         import triton
-        return True, f"Triton {triton.__version__} on {props.name}"
+        return True, f"Triton {triton.__version__} on {here.device_name}"
 
     @staticmethod
     def _target(device: torch.device) -> tuple[str, bool]:
@@ -120,40 +117,13 @@ class TritonBackend(MoEBackend):
         if device.type != "cuda":
             return "interpreter", False
         name = torch.cuda.get_device_name(device)
-        return triton_table.device_key(name), not getattr(torch.version, "hip", None)
+        return triton_table.device_key(name), not is_rocm()
 
     # -- weights --------------------------------------------------------
-    def prepare(self, experts) -> TritonExperts | Fp8Experts:
-        """MXFP4 ExpertWeights (converted to int4 when weight_format="int4"), or
-        already converted Int4Experts, -> the kernels' word layout (Fp8Experts for fp8 activations)."""
-        if self.act_dtype == FP8:
-            return self._prepare_fp8(experts)
-        if isinstance(experts, Fp8Experts):
-            raise ValueError("triton backend: got Fp8Experts but act_dtype is bf16; build the backend with "
-                             "act_dtype='fp8'")
-        if isinstance(experts, TritonExperts):
-            prepared = experts
-        elif isinstance(experts, Int4Experts) and self.weight_format != INT4:
-            raise ValueError("triton backend: got Int4Experts but weight_format is "
-                             f"{self.weight_format!r}; build the backend with weight_format='int4'")
-        elif isinstance(experts, (ExpertWeights, Int4Experts)) and self.weight_format == INT4:
-            converted = int4_experts_for(experts, self.int4_method, "triton backend")
-            prepared = from_int4(converted.w13, converted.w2)
-        elif isinstance(experts, ExpertWeights):
-            prepared = from_mxfp4(*experts.tensors())
-        else:
-            raise TypeError("triton backend: prepare() takes ExpertWeights, Int4Experts or TritonExperts, "
-                            f"got {type(experts).__name__}")
-        if prepared.fmt != self.weight_format:
-            raise ValueError(f"triton backend: prepared experts are {prepared.fmt}, backend is {self.weight_format}")
-        return prepared
-
-    def _prepare_fp8(self, experts) -> Fp8Experts:
-        if isinstance(experts, Fp8Experts):
-            return experts
-        if not isinstance(experts, ExpertWeights):
-            raise TypeError("triton backend (fp8 activations): prepare() takes MXFP4 ExpertWeights or Fp8Experts, "
-                            f"got {type(experts).__name__}")
+    def lay_out(self, experts) -> TritonExperts | Fp8Experts:
+        """MXFP4 or int4 experts -> the kernels' word layout (Fp8Experts for fp8 activations)."""
+        if self.act_dtype != FP8:
+            return TritonExperts.from_experts(experts)
         prepared = fp8_layout.from_mxfp4(*experts.tensors())
         if prepared.inexact_groups:
             logging.getLogger(__name__).warning(
@@ -161,9 +131,6 @@ class TritonBackend(MoEBackend):
                 "rounded to e4m3 (not exact); dequantize_prepared returns what the kernels use",
                 prepared.inexact_groups, fp8_layout.EXACT_SHIFTS - 1)
         return prepared
-
-    def dequantize_prepared(self, prepared, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return prepared.dequantize(expert)
 
     # -- configs --------------------------------------------------------
     def lookup(self, prepared, num_tokens: int) -> Lookup:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kimi_k3_moe.formats import fp8, mxfp4
-from kimi_k3_moe.kernels.base import PackedExpertShapes
+from kimi_k3_moe.experts import PackedShapes
 
 WORD = 8
 SHIFT_BITS = 6            # the e4m3 operand is e2m1 * 2^(6 - d)
@@ -119,7 +119,7 @@ def _convert(packed: torch.Tensor, scales: torch.Tensor, chunk_bytes: int = 64 <
 
 
 @dataclass
-class Fp8Experts(PackedExpertShapes):
+class Fp8Experts(PackedShapes):
     """A layer's MXFP4 experts for the fp8-activation kernels.
 
     w13 [E, 2I, H/2] and w2 [E, H, I/2]: codes in the fp8 word layout;
@@ -157,8 +157,10 @@ class Fp8Experts(PackedExpertShapes):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w13, self.w13_shift, self.w13_row_scale,
-                                                          self.w2, self.w2_shift, self.w2_row_scale))
+        return sum(t.numel() * t.element_size() for t in self.tensors()[:-1])
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.w13, self.w13_shift, self.w13_row_scale, self.w2, self.w2_shift, self.w2_row_scale, self.lut)
 
     def operands(self, which: str, expert: int) -> torch.Tensor:
         """float32 [N, K]: the e4m3 operand values the kernels feed the matrix unit (before row_scale)."""

@@ -17,15 +17,14 @@ layout is checked bit for bit on the CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from kimi_k3_moe.experts import KINDS, MXFP4, ExpertWeights, Int4Experts, Layout, PackedExperts
 from kimi_k3_moe.formats import int4, mxfp4
-from kimi_k3_moe.kernels.base import PackedExpertShapes
 
-MXFP4 = "mxfp4"
-INT4 = "int4"
-WEIGHT_FORMATS = (MXFP4, INT4)
+WEIGHT_FORMATS = KINDS
 WORD = 8  # K elements per 32-bit word
 
 # bit offsets inside a word of element v0..v7
@@ -95,79 +94,29 @@ def _check_fmt(fmt: str) -> None:
         raise ValueError(f"weight format {fmt!r} not in {WEIGHT_FORMATS}")
 
 
+class WordLayout(Layout):
+    """The Triton kernels' word layout (see the module docstring)."""
+
+    name = "triton-words"
+
+    def swizzle(self, packed: torch.Tensor, kind: str) -> torch.Tensor:
+        return to_word_layout(packed, kind)
+
+    def unswizzle(self, codes: torch.Tensor, kind: str) -> torch.Tensor:
+        return from_word_layout(codes, kind)
+
+
 @dataclass
-class TritonExperts(PackedExpertShapes):
-    """A layer's experts as the Triton kernels read them.
+class TritonExperts(PackedExperts):
+    """A layer's experts as the Triton kernels read them: codes in the word layout,
+    scales and offsets as the formats hold them (`experts.PackedExperts`)."""
 
-    w13 [E, 2I, H/2] (gate rows first) and w2 [E, H, I/2] hold codes in the
-    word layout; *_scale are e8m0 uint8 (MXFP4) or bf16 (int4) [.., K/32];
-    *_offset are bf16 [.., K/32] for asymmetric int4 and None otherwise.
-    """
-
-    fmt: str
-    w13: torch.Tensor
-    w13_scale: torch.Tensor
-    w2: torch.Tensor
-    w2_scale: torch.Tensor
-    w13_offset: torch.Tensor | None = None
-    w2_offset: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        _check_fmt(self.fmt)
-        e, two_i, half_h = self.w13.shape
-        if tuple(self.w2.shape) != (e, half_h * 2, two_i // 4):
-            raise ValueError(f"w2 shape {tuple(self.w2.shape)} does not match w13 {tuple(self.w13.shape)}")
-        scale_dtype = torch.uint8 if self.fmt == MXFP4 else torch.bfloat16
-        for name, codes in (("w13", self.w13), ("w2", self.w2)):
-            expected = (*codes.shape[:-1], codes.shape[-1] * 2 // mxfp4.BLOCK_SIZE)
-            for suffix in ("scale", "offset"):
-                t = getattr(self, f"{name}_{suffix}")
-                if t is None:
-                    if suffix == "scale":
-                        raise ValueError(f"TritonExperts.{name}_scale is required")
-                    continue
-                if suffix == "offset" and self.fmt == MXFP4:
-                    raise ValueError("MXFP4 experts carry no offsets")
-                if t.dtype != scale_dtype or tuple(t.shape) != expected:
-                    raise ValueError(f"TritonExperts.{name}_{suffix}: {t.dtype} {tuple(t.shape)}, "
-                                     f"expected {scale_dtype} {expected}")
-        if (self.w13_offset is None) != (self.w2_offset is None):
-            raise ValueError("int4 offsets must be given for both w13 and w2 or for neither")
-
-    @property
-    def has_offsets(self) -> bool:
-        return self.w13_offset is not None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
-
-    def tensors(self):
-        return (self.w13, self.w13_scale, self.w2, self.w2_scale, self.w13_offset, self.w2_offset)
-
-    def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 (w13 [2I, H], w2 [H, I]) of one expert, decoded from this layout."""
-        out = []
-        for name in ("w13", "w2"):
-            codes = from_word_layout(getattr(self, name)[expert], self.fmt)
-            scale = getattr(self, f"{name}_scale")[expert]
-            if self.fmt == MXFP4:
-                out.append(mxfp4.dequantize(codes, scale, name=f"{name}[{expert}]"))
-            else:
-                offset = getattr(self, f"{name}_offset")
-                offset = None if offset is None else offset[expert]
-                out.append(int4.Int4Weights(codes, scale, offsets=offset).dequantize())
-        return out[0], out[1]
+    layout: ClassVar[Layout] = WordLayout()
 
 
 def from_mxfp4(w13_packed, w13_scale, w2_packed, w2_scale) -> TritonExperts:
-    return TritonExperts(MXFP4, to_word_layout(w13_packed, MXFP4), w13_scale.contiguous(),
-                         to_word_layout(w2_packed, MXFP4), w2_scale.contiguous())
+    return TritonExperts.from_experts(ExpertWeights(w13_packed, w13_scale, w2_packed, w2_scale))
 
 
 def from_int4(w13: int4.Int4Weights, w2: int4.Int4Weights) -> TritonExperts:
-    def off(t):
-        return None if t.offsets is None else t.offsets.contiguous()
-    return TritonExperts(INT4, to_word_layout(w13.packed, INT4), w13.scales.contiguous(),
-                         to_word_layout(w2.packed, INT4), w2.scales.contiguous(),
-                         off(w13), off(w2))
+    return TritonExperts.from_experts(Int4Experts(w13, w2))

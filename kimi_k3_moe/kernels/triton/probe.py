@@ -5,7 +5,7 @@ import torch
 
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton.launch import cdiv
-from kimi_k3_moe.kernels.triton.layout import MXFP4
+from kimi_k3_moe.experts import MXFP4
 
 _DECODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
 

@@ -15,7 +15,8 @@ from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_ke
 from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_words_kernel
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv
-from kimi_k3_moe.kernels.triton.layout import MXFP4, TritonExperts
+from kimi_k3_moe.experts import MXFP4
+from kimi_k3_moe.kernels.triton.layout import TritonExperts
 
 DECODE_CODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
 

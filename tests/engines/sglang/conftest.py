@@ -13,7 +13,11 @@ import os
 import pytest
 
 if importlib.util.find_spec("sglang") is None:
-    collect_ignore_glob = ["test_*.py"]  # the core venv has no sglang; `make test-sglang` does
+    from suite_skip import skipped_module
+
+    def pytest_pycollect_makemodule(module_path, parent):
+        return skipped_module(module_path, parent, "sglang is not installed in this venv; `make test-sglang` runs "
+                              "this suite in the venv it builds")
 else:
     os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
     os.environ.pop("SGLANG_PLUGINS", None)
@@ -39,12 +43,13 @@ def _checkpoint(tmp_path_factory, name: str, seed: int, **options):
     from sglang_k3 import SHAPE, add_attention_fields
 
     path = make_checkpoint(tmp_path_factory.mktemp(name), seed=seed, **SHAPE, **options)
-    return path, add_attention_fields(path)
+    add_attention_fields(path)
+    return path
 
 
 @pytest.fixture(scope="session")
 def k3_checkpoint(tmp_path_factory, session_seed):
-    """(folder, config dict) of a synthetic K3 checkpoint with 2-D scales."""
+    """The folder of a synthetic K3 checkpoint with 2-D scales (the vLLM suite's fixture of the same name)."""
     return _checkpoint(tmp_path_factory, "k3", session_seed)
 
 
@@ -52,3 +57,11 @@ def k3_checkpoint(tmp_path_factory, session_seed):
 def k3_checkpoint_4d_scales(tmp_path_factory, session_seed):
     """The same shape with the 4-D scales some exports write ([N, 1, K/32, 1])."""
     return _checkpoint(tmp_path_factory, "k3_4d", session_seed + 1, scale_4d=True)
+
+
+@pytest.fixture(scope="session")
+def k3_config(k3_checkpoint):
+    """k3_checkpoint's config.json as a dict (with the attention fields SGLang's K3 model reads)."""
+    from sglang_k3 import config_of
+
+    return config_of(k3_checkpoint)

@@ -47,10 +47,14 @@ ATTENTION_FIELDS = dict(num_attention_heads=2, num_key_value_heads=2, q_lora_ran
 
 
 def add_attention_fields(path: Path) -> dict:
-    config = json.loads((path / "config.json").read_text())
+    config = config_of(path)
     config["text_config"].update(ATTENTION_FIELDS)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return config
+
+
+def config_of(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
 
 
 @contextlib.contextmanager

@@ -12,15 +12,15 @@ import logging
 import pytest
 import torch
 
-from kimi_k3_moe import routed_experts
-from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import BackendChoice, detect_platform, plan_backends
-from kimi_k3_moe.kernels.torch.backend import TorchBackend
-from kimi_k3_moe.reference import dense_moe, relative_l2
-from kimi_k3_moe.self_check import SelfCheckFailed
+from moe_helpers import SITU, broken_plan, random_routing
 from sglang_k3 import LATENT, MOE_LAYERS, build_fused_moe, load_into, serving
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
+from kimi_k3_moe import routed_experts
+from kimi_k3_moe.dispatch import BackendChoice, plan_backends
+from kimi_k3_moe.loading import SelfCheckCache
+from kimi_k3_moe.platform import detect_platform
+from kimi_k3_moe.reference import dense_moe, relative_l2
+from kimi_k3_moe.self_check import SelfCheckFailed
 LAYER = MOE_LAYERS[0]
 
 
@@ -32,14 +32,9 @@ def loaded_layer(path):
     return layer, model
 
 
-def random_routing(gen, tokens=6):
-    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(tokens)]).to(torch.int32)
-    return torch.rand(tokens, 4, generator=gen), ids
-
-
 def test_plan_is_the_core_plan_and_params_are_the_prepared_weights(k3_checkpoint, sglang_plugins_loaded):
-    with serving(k3_checkpoint[0]):
-        layer, _ = loaded_layer(k3_checkpoint[0])
+    with serving(k3_checkpoint):
+        layer, _ = loaded_layer(k3_checkpoint)
     routed = layer.quant_method.routed
     assert routed.plan == plan_backends(detect_platform()) and routed.backend.describe() == "torch[mxfp4]"
     assert routed.activation == SITU
@@ -48,29 +43,18 @@ def test_plan_is_the_core_plan_and_params_are_the_prepared_weights(k3_checkpoint
     assert layer.w2_weight_scale.numel() > 0
 
 
-class SiluOnlyBackend(TorchBackend):
-    """A deliberately wrong kernel: computes SiLU whatever it is asked for."""
-    name = "silu-only"
-
-    def forward(self, prepared, hidden, topk_weights, topk_ids, activation, expert_map=None):
-        return super().forward(prepared, hidden, topk_weights, topk_ids, ActivationSpec.silu(), expert_map)
-
-
-class Choice(BackendChoice):
-    def make(self):
-        return SiluOnlyBackend() if self.name == "silu-only" else super().make()
-
-
 def test_self_check_refuses_a_wrong_kernel_at_load(k3_checkpoint, sglang_plugins_loaded, monkeypatch, caplog):
-    plan = [Choice("silu-only", {}, "broken on purpose"), Choice("torch", {"weight_format": "mxfp4"}, "reference")]
+    from kimi_k3_moe.plugin_entrypoints._sglang_method import K3RoutedExpertsMethod
+
+    plan = broken_plan("broken on purpose")
     monkeypatch.setattr(routed_experts, "plan_backends", lambda platform: plan)
-    routed_experts._CHECKED.clear()
+    monkeypatch.setattr(K3RoutedExpertsMethod, "self_checks", SelfCheckCache())
     monkeypatch.setenv("KIMI_K3_MOE_SELF_CHECK", "strict")
-    with serving(k3_checkpoint[0]), pytest.raises(SelfCheckFailed, match="silu-only"):
-        loaded_layer(k3_checkpoint[0])
+    with serving(k3_checkpoint), pytest.raises(SelfCheckFailed, match="silu-only"):
+        loaded_layer(k3_checkpoint)
     monkeypatch.setenv("KIMI_K3_MOE_SELF_CHECK", "fallback")
-    with serving(k3_checkpoint[0]), caplog.at_level(logging.ERROR, logger="kimi_k3_moe"):
-        layer, _ = loaded_layer(k3_checkpoint[0])
+    with serving(k3_checkpoint), caplog.at_level(logging.ERROR, logger="kimi_k3_moe"):
+        layer, _ = loaded_layer(k3_checkpoint)
     assert layer.quant_method.routed.backend.name == "torch"
     assert "REFUSING backend silu-only" in caplog.text
 
@@ -83,7 +67,7 @@ def test_converted_experts_release_the_checkpoint_bytes_and_restore_for_reload(
 
     monkeypatch.setattr(routed_experts, "plan_backends",
                         lambda platform: [BackendChoice("torch", {"weight_format": "int4"}, "converts")])
-    path = k3_checkpoint[0]
+    path = k3_checkpoint
     with serving(path):
         layer, model = loaded_layer(path)
         e, i = 16, 128
@@ -93,7 +77,7 @@ def test_converted_experts_release_the_checkpoint_bytes_and_restore_for_reload(
         assert all(p.numel() == 0 for p in layer.parameters()), "checkpoint bytes kept beside the int4 copy"
 
         x = torch.randn(6, LATENT, generator=gen).to(torch.bfloat16)
-        weights, ids = random_routing(gen)
+        weights, ids = random_routing(gen, 6, 16, 4)
         out = method.apply(layer=layer, dispatch_output=StandardDispatchOutput(
             x, None, StandardTopKOutput(weights, ids, torch.zeros(6, 16)))).hidden_states
         prepared, backend = method.routed.prepared, method.routed.backend

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimi_k3_moe.activation import ActivationSpec
+from moe_helpers import SITU
 from kimi_k3_moe.plugin_entrypoints._sglang_method import K3RoutedExpertsMethod, UnsupportedSGLangSetup
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from sglang_k3 import LATENT, MOE_LAYERS, build_fused_moe, load_into, reference_experts, serving, tp_group_stand_in
@@ -19,7 +19,7 @@ from sglang_k3 import LATENT, MOE_LAYERS, build_fused_moe, load_into, reference_
 def test_silu_mxfp4_layer_keeps_sglang_method(k3_checkpoint, sglang_plugins_loaded):
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4MoEMethod
 
-    with serving(k3_checkpoint[0]):
+    with serving(k3_checkpoint):
         layer = build_fused_moe(activation="silu", beta=None, linear_beta=None)
     assert type(layer.quant_method) is Mxfp4MoEMethod
 
@@ -37,19 +37,19 @@ def test_non_moe_layer_gets_sglang_answer(k3_checkpoint, sglang_plugins_loaded):
 ])
 def test_betas_differing_from_the_model_config_are_refused_at_build(beta, linear_beta, says, k3_checkpoint,
                                                                     sglang_plugins_loaded):
-    with serving(k3_checkpoint[0]), pytest.raises(ValueError, match=says):
+    with serving(k3_checkpoint), pytest.raises(ValueError, match=says):
         build_fused_moe(beta=beta, linear_beta=linear_beta)
 
 
 def test_situ_layer_without_beta_is_refused_not_handed_to_sglang(k3_checkpoint, sglang_plugins_loaded):
-    with serving(k3_checkpoint[0]), pytest.raises(UnsupportedSGLangSetup, match="gemm1_alpha=None"):
+    with serving(k3_checkpoint), pytest.raises(UnsupportedSGLangSetup, match="gemm1_alpha=None"):
         build_fused_moe(beta=None)
 
 
 def test_online_mxfp4_quantisation_of_a_situ_layer_is_refused(k3_checkpoint, sglang_plugins_loaded):
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
 
-    with serving(k3_checkpoint[0]), pytest.raises(UnsupportedSGLangSetup, match="is_checkpoint_mxfp4_serialized"):
+    with serving(k3_checkpoint), pytest.raises(UnsupportedSGLangSetup, match="is_checkpoint_mxfp4_serialized"):
         build_fused_moe(quant=Mxfp4Config(is_checkpoint_mxfp4_serialized=False))
 
 
@@ -65,13 +65,13 @@ def test_backends_that_bypass_or_reshape_the_method_are_refused(flag, value, say
     from sglang.srt.runtime_context import get_flags
 
     enum = MoeA2ABackend if flag == "a2a_backend" else MoeRunnerBackend
-    with serving(k3_checkpoint[0]), get_flags().moe.override(**{flag: enum(value)}):
+    with serving(k3_checkpoint), get_flags().moe.override(**{flag: enum(value)}):
         with pytest.raises(UnsupportedSGLangSetup, match=says):
             build_fused_moe()
 
 
 def test_per_rank_slice_off_the_mxfp4_grid_is_refused(k3_checkpoint, sglang_plugins_loaded):
-    with serving(k3_checkpoint[0], tp_size=8), pytest.raises(UnsupportedSGLangSetup, match="multiples of"):
+    with serving(k3_checkpoint, tp_size=8), pytest.raises(UnsupportedSGLangSetup, match="multiples of"):
         build_fused_moe(inter=128)  # 16 per rank
 
 
@@ -79,7 +79,7 @@ def test_routed_scaling_factor_is_applied(k3_checkpoint, sglang_plugins_loaded, 
     """K3 ships 1.0; the factor still must not be dropped (TopK does not fuse it for our method)."""
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    path, _ = k3_checkpoint
+    path = k3_checkpoint
     with serving(path):
         layer = build_fused_moe(routed_scaling_factor=2.5, hidden=LATENT, layer=MOE_LAYERS[0])
         assert isinstance(layer.quant_method, K3RoutedExpertsMethod)
@@ -93,5 +93,5 @@ def test_routed_scaling_factor_is_applied(k3_checkpoint, sglang_plugins_loaded, 
         with torch.inference_mode(), tp_group_stand_in():
             out = layer(x, StandardTopKOutput(weights, ids, torch.zeros(6, 16)))
     want = 2.5 * moe_forward(x.double(), *reference_experts(path, MOE_LAYERS[0]).tensors(), weights, ids,
-                             ActivationSpec.situv2(4.0, 25.0), compute_dtype=torch.float64)
+                             SITU, compute_dtype=torch.float64)
     assert relative_l2(out, want) <= 1e-2

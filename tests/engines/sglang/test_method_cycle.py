@@ -13,24 +13,24 @@ import logging
 import pytest
 import torch
 
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.plugin_entrypoints import common
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from sglang_k3 import (INTER, LATENT, MOE_LAYERS, build_block, k3_topk, load_into, reference_experts,
                        serving, tp_group_stand_in)
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
 TOKENS = 7
 BOUND = 1e-2  # bf16 activations and hand-off against float64; a wrong activation lands near 0.3
 
 
-def test_k3_block_gets_our_method_with_sglang_parameter_contract(k3_checkpoint, sglang_plugins_loaded):
+def test_k3_block_gets_our_method_with_sglang_parameter_contract(k3_checkpoint, k3_config, sglang_plugins_loaded):
     from sglang.srt.layers.moe.topk import TopKOutputFormat
 
     from kimi_k3_moe.plugin_entrypoints._sglang_method import K3RoutedExpertsMethod
 
-    path, config = k3_checkpoint
+    path, config = k3_checkpoint, k3_config
     with serving(path):
         block = build_block(config, MOE_LAYERS[0])
     experts = block.experts
@@ -51,8 +51,8 @@ def test_k3_block_gets_our_method_with_sglang_parameter_contract(k3_checkpoint, 
         assert getattr(param, "quant_method", None) == ("group" if "scale" in name else None)
 
 
-def test_full_cycle_matches_float64_reference(k3_checkpoint, sglang_plugins_loaded, gen, caplog):
-    path, config = k3_checkpoint
+def test_full_cycle_matches_float64_reference(k3_checkpoint, k3_config, sglang_plugins_loaded, gen, caplog):
+    path, config = k3_checkpoint, k3_config
     common._logged.clear()
     with serving(path):
         blocks = {layer: build_block(config, layer) for layer in MOE_LAYERS}
@@ -98,12 +98,12 @@ def test_full_cycle_matches_float64_reference(k3_checkpoint, sglang_plugins_load
             assert block_err <= BOUND
 
 
-def test_empty_batch(k3_checkpoint, sglang_plugins_loaded):
+def test_empty_batch(k3_checkpoint, k3_config, sglang_plugins_loaded):
     """Idle ranks still enter the MoE with zero rows."""
     from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput, StandardDispatchOutput
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
-    path, config = k3_checkpoint
+    path, config = k3_checkpoint, k3_config
     with serving(path):
         block = build_block(config, MOE_LAYERS[0])
         load_into({MOE_LAYERS[0]: block}, path)
@@ -115,9 +115,9 @@ def test_empty_batch(k3_checkpoint, sglang_plugins_loaded):
     assert isinstance(out, StandardCombineInput) and out.hidden_states.shape == (0, LATENT)
 
 
-def test_process_weights_twice_is_harmless(k3_checkpoint, sglang_plugins_loaded, gen):
+def test_process_weights_twice_is_harmless(k3_checkpoint, k3_config, sglang_plugins_loaded, gen):
     """SGLang's overlap loader runs process_weights_after_loading more than once."""
-    path, config = k3_checkpoint
+    path, config = k3_checkpoint, k3_config
     with serving(path):
         block = build_block(config, MOE_LAYERS[0])
         load_into({MOE_LAYERS[0]: block}, path)
@@ -131,7 +131,7 @@ def test_process_weights_twice_is_harmless(k3_checkpoint, sglang_plugins_loaded,
         assert relative_l2(first(x, w, ids), method.routed(x, w, ids)) == 0
 
 
-def test_torch_fallback_refuses_cuda_graph_capture_with_a_clear_error(k3_checkpoint, sglang_plugins_loaded,
+def test_torch_fallback_refuses_cuda_graph_capture_with_a_clear_error(k3_checkpoint, k3_config, sglang_plugins_loaded,
                                                                        monkeypatch):
     """No GPU here: the capture state is stood in for by patching torch.cuda's two queries."""
     from sglang.srt.layers.moe.token_dispatcher import StandardDispatchOutput
@@ -139,7 +139,7 @@ def test_torch_fallback_refuses_cuda_graph_capture_with_a_clear_error(k3_checkpo
 
     from kimi_k3_moe.plugin_entrypoints._sglang_method import UnsupportedSGLangSetup
 
-    path, config = k3_checkpoint
+    path, config = k3_checkpoint, k3_config
     with serving(path):
         block = build_block(config, MOE_LAYERS[0])
         load_into({MOE_LAYERS[0]: block}, path)

@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
 
-SITU = ActivationSpec.situv2(4.0, 25.0)  # what make_checkpoint writes into config.json
 SILU = ActivationSpec.silu()
 TOKENS = 9
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import Platform
+from kimi_k3_moe.platform import Platform
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 MI300X = Platform("rocm", "gfx942", "AMD Instinct MI300X (stand-in)")
 
 

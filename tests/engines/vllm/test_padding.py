@@ -4,10 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import BackendChoice, Platform
+from kimi_k3_moe.dispatch import BackendChoice
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.kernels.base import ExpertWeights
+from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.reference import relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 
@@ -32,7 +34,7 @@ def _padded(experts):
     return ExpertWeights(w13p, w13s, w2p, w2s)
 
 
-@pytest.mark.parametrize("activation", [ActivationSpec.situv2(4.0, 25.0), ActivationSpec.silu()])
+@pytest.mark.parametrize("activation", [SITU, ActivationSpec.silu()])
 def test_zero_padding_contributes_nothing_and_is_dropped(gen, activation):
     from kimi_k3_moe.plugin_entrypoints._vllm_method import unpad_intermediate
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 SILU = ActivationSpec.silu()
 
 
@@ -55,7 +55,8 @@ MODES = ["tp", "ep", "amd-tp"]
 def test_partials_sum_to_the_single_rank_result(two_ranks, k3_checkpoint, mode):
     import vllm_k3 as k3
 
-    from kimi_k3_moe.dispatch import BackendChoice, Platform
+    from kimi_k3_moe.dispatch import BackendChoice
+    from kimi_k3_moe.platform import Platform
     from kimi_k3_moe.routed_experts import RoutedExperts
 
     a, b = two_ranks[0][mode]["call"], two_ranks[1][mode]["call"]

@@ -11,29 +11,18 @@ import logging
 
 import pytest
 
-from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import BackendChoice
-from kimi_k3_moe.kernels.torch.backend import TorchBackend
+from moe_helpers import broken_plan as make_broken_plan
 
-
-class SiluOnlyBackend(TorchBackend):
-    name = "silu-only"
-
-    def forward(self, prepared, hidden, topk_weights, topk_ids, activation, expert_map=None):
-        return super().forward(prepared, hidden, topk_weights, topk_ids, ActivationSpec.silu(), expert_map)
-
-
-class Choice(BackendChoice):
-    def make(self):
-        return SiluOnlyBackend() if self.name == "silu-only" else super().make()
+from kimi_k3_moe.loading import SelfCheckCache
 
 
 @pytest.fixture
 def broken_plan(monkeypatch):
     from kimi_k3_moe import routed_experts
+    from kimi_k3_moe.plugin_entrypoints._vllm_method import K3RoutedExpertsMethod
 
-    routed_experts._CHECKED.clear()
-    plan = [Choice("silu-only", {}, "stands in for a GPU kernel"), Choice("torch", {"weight_format": "mxfp4"})]
+    monkeypatch.setattr(K3RoutedExpertsMethod, "self_checks", SelfCheckCache())
+    plan = make_broken_plan()
     monkeypatch.setattr(routed_experts, "plan_backends", lambda platform: plan)
 
 

@@ -9,7 +9,8 @@ import torch
 
 from fly_helpers import SITU, random_layer, with_offsets
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.dispatch import Platform, plan_backends
+from kimi_k3_moe.dispatch import plan_backends
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import BackendUnavailable, get_backend
 from kimi_k3_moe.kernels.flydsl import emulator
@@ -17,6 +18,7 @@ from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
 from kimi_k3_moe.weights.requant import requantize_experts
+from kimi_k3_moe.loading import prepare_for
 
 
 def test_importing_the_backend_does_not_import_flydsl():
@@ -52,7 +54,7 @@ def test_dispatch_plans_flydsl_first_with_options_the_backend_accepts():
 def test_gfx942_prepares_int4_and_dequantizes_what_it_encodes(gen):
     layer = random_layer(gen, experts=3, hidden=256, inter=128)
     backend = get_backend("flydsl", arch="gfx942", weight_format="int4")
-    prepared = backend.prepare(layer)
+    prepared = prepare_for(backend, layer)
     expected = requantize_experts(layer, progress=False)
     assert prepared.weight_format == "int4" and not prepared.has_offsets
     for e in range(3):
@@ -73,7 +75,7 @@ def test_gfx942_takes_already_converted_int4_with_offsets(gen):
 
 def replace_offsets_none(int4):
     from kimi_k3_moe.formats.int4 import Int4Weights
-    from kimi_k3_moe.weights.requant import Int4Experts
+    from kimi_k3_moe.experts import Int4Experts
     return Int4Experts(Int4Weights(int4.w13.packed, int4.w13.scales), Int4Weights(int4.w2.packed, int4.w2.scales))
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kimi_k3_moe.activation import ActivationSpec
+from moe_helpers import SITU
 from kimi_k3_moe.reference import moe_forward, relative_l2
-from sglang_k3 import (EXPERTS, INTER, LATENT, MOE_LAYERS, build_block, cpu_device_for_ep_dispatch, k3_topk,
-                       load_into, reference_experts, serving, tp_group_stand_in)
+from sglang_k3 import (EXPERTS, INTER, LATENT, MOE_LAYERS, build_block, config_of, cpu_device_for_ep_dispatch,
+                       k3_topk, load_into, reference_experts, serving, tp_group_stand_in)
 
-SITU = ActivationSpec.situv2(4.0, 25.0)
 LAYER = MOE_LAYERS[0]
 TOKENS = 9
 
@@ -35,7 +34,7 @@ def routing_and_input(path, config, gen):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_ranks_hold_their_slice_and_partials_sum_to_the_layer(tp, k3_checkpoint_4d_scales,
                                                                    sglang_plugins_loaded, gen):
-    path, config = k3_checkpoint_4d_scales
+    path, config = k3_checkpoint_4d_scales, config_of(k3_checkpoint_4d_scales)
     topk, x = routing_and_input(path, config, gen)
     whole = moe_forward(x.double(), *reference_experts(path, LAYER).tensors(), topk.topk_weights,
                         topk.topk_ids, SITU, compute_dtype=torch.float64)
@@ -59,8 +58,9 @@ def test_tp_ranks_hold_their_slice_and_partials_sum_to_the_layer(tp, k3_checkpoi
     assert relative_l2(total, whole) <= 1e-2
 
 
-def test_ep_ranks_skip_remote_experts_and_partials_sum_to_the_layer(k3_checkpoint, sglang_plugins_loaded, gen):
-    path, config = k3_checkpoint
+def test_ep_ranks_skip_remote_experts_and_partials_sum_to_the_layer(k3_checkpoint, k3_config, sglang_plugins_loaded,
+                                                                  gen):
+    path, config = k3_checkpoint, k3_config
     ep = 4
     topk, x = routing_and_input(path, config, gen)
     whole = moe_forward(x.double(), *reference_experts(path, LAYER).tensors(), topk.topk_weights,

@@ -1,0 +1,92 @@
+"""What GPU this is, read once, and the facts that follow from its hardware, stated once.
+
+  vendor "cpu" | "cuda" | "rocm"; arch "sm_90", "gfx942", ...; capability (major, minor) on CUDA
+  gfx942 (MI300X/MI325X): no FP4 matrix instructions, so its kernels read int4 (requantised at load)
+  gfx950 (MI355X): scaled MFMA reads e2m1/e4m3 operands: MXFP4 weights, fp8 and fp4 activations
+  CUDA sm_80+: the Triton kernels' floor; sm_89 and sm_90+: e4m3 x e4m3 MMA (fp8 activations)
+
+Backends ask these functions instead of reading torch's device properties or
+parsing arch names themselves. Imports torch only.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from kimi_k3_moe.act_quant import BF16, FP4, FP8
+from kimi_k3_moe.experts.format import INT4, MXFP4
+
+FLYDSL_ARCHS = ("gfx942", "gfx950")   # archs with FlyDSL kernels
+INT4_ARCHS = ("gfx942",)              # no FP4 matrix instructions: experts requantised to int4
+TRITON_MIN_SM = 80
+FP8_MIN_SM = 89                       # e4m3 x e4m3 MMA (sm_89, sm_90 and newer)
+_SCALED_MFMA_ARCHS = ("gfx950",)      # v_mfma_scale_f32_*_f8f6f4: fp8/fp4 operands with e8m0 scales
+
+
+@dataclass(frozen=True)
+class Platform:
+    vendor: str              # "cpu", "cuda" or "rocm"
+    arch: str | None = None  # "sm_90", "gfx942", ...
+    device_name: str = ""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.vendor != "cpu"
+
+    @property
+    def sm(self) -> int:
+        """CUDA compute capability as one number (90 for sm_90), 0 elsewhere."""
+        return sm_version(self.arch) if self.vendor == "cuda" else 0
+
+    @property
+    def weight_format(self) -> str:
+        """The 4-bit format this hardware multiplies: int4 where there is no FP4 path, else MXFP4."""
+        return INT4 if self.vendor == "rocm" and self.arch in INT4_ARCHS else MXFP4
+
+    def __str__(self) -> str:
+        return self.vendor if not self.is_gpu else f"{self.vendor} {self.arch} ({self.device_name})"
+
+
+def gfx_arch(gcn_arch_name: str) -> str:
+    """'gfx942:sramecc+:xnack-' -> 'gfx942'."""
+    return gcn_arch_name.split(":", 1)[0]
+
+
+def sm_version(arch: str | None) -> int:
+    """'sm_90' / 'sm_90a' -> 90; anything else -> 0."""
+    match = re.fullmatch(r"sm_(\d+)[a-z]?", arch or "")
+    return int(match.group(1)) if match else 0
+
+
+def is_rocm() -> bool:
+    return bool(getattr(torch.version, "hip", None))
+
+
+def arch_of(props) -> str:
+    """The arch name of a torch device-properties object."""
+    return gfx_arch(props.gcnArchName) if is_rocm() else f"sm_{props.major}{props.minor}"
+
+
+def device_platform(device: int = 0) -> Platform:
+    if not torch.cuda.is_available():
+        return Platform("cpu")
+    props = torch.cuda.get_device_properties(device)
+    return Platform("rocm" if is_rocm() else "cuda", arch_of(props), props.name)
+
+
+@lru_cache(maxsize=None)
+def detect_platform(device: int = 0) -> Platform:
+    """This process's GPU `device` (read once), or the CPU."""
+    return device_platform(device)
+
+
+def hardware_act_dtypes(arch: str | None) -> tuple[str, ...]:
+    """Activation dtypes whose matrix instructions `arch` has (bf16 everywhere)."""
+    if arch in _SCALED_MFMA_ARCHS:
+        return (BF16, FP8, FP4)
+    if sm_version(arch) >= FP8_MIN_SM:
+        return (BF16, FP8)
+    return (BF16,)
