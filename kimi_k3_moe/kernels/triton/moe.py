@@ -27,9 +27,10 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
     pairs, align = align_launches(topk_ids, expert_map, experts.num_experts, config.block_m)
     launches = list(align)
     x = hidden
-    if not s1_cfg.interleave:
+    if not (s1_cfg.pairs or s1_cfg.interleave):
         x, permute = word_order(hidden, s1_cfg.block_k)
         launches.append(permute)
     inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode,
-                               out_block_k=0 if s2_cfg.interleave else s2_cfg.block_k)
+                               out_block_k=0 if s2_cfg.pairs or s2_cfg.interleave else s2_cfg.block_k,
+                               out_pairs=s2_cfg.pairs)
     return [*launches, s1, *stage2_aligned(experts, inter, pairs, topk_weights, out, s2_cfg, config.decode)]

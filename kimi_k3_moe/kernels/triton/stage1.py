@@ -54,9 +54,9 @@ def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch
 
 def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
                    activation: ActivationSpec, cfg: KernelConfig, decode: str,
-                   out_block_k: int = 0) -> tuple[torch.Tensor, Launch]:
-    """`hidden` must already be in word order when cfg.interleave is False; inter comes out in
-    word order of out_block_k tiles (0: plain)."""
+                   out_block_k: int = 0, out_pairs: bool = False) -> tuple[torch.Tensor, Launch]:
+    """`hidden` must already be in word order when neither cfg.pairs nor cfg.interleave; inter
+    comes out in pair order (out_pairs), else in word order of out_block_k tiles (0: plain)."""
     inter_size = experts.intermediate_size
     inter = torch.empty(pairs.max_rows, inter_size, dtype=torch.bfloat16, device=hidden.device)
     args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13"),
@@ -65,7 +65,8 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
                 num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
                 TOPK=topk, DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
-                BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k)
+                PAIRS=cfg.pairs, BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs)
     grid = (pairs.max_blocks, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
 
