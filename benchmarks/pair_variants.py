@@ -23,10 +23,11 @@ def _stage_sets(block_m: int):
     k = KernelConfig
     if block_m <= 32:
         return ({"s1n64k128s3": k(64, 128, 4, 3, pairs=True), "s1n64k128s4": k(64, 128, 4, 4, pairs=True),
-                 "s1n128k128w8s4": k(128, 128, 8, 4, pairs=True)},
+                 "s1n64k256s3": k(64, 256, 4, 3, pairs=True)},
                 {"s2n128k128w8": k(128, 128, 8, 3, pairs=True), "s2n64k128": k(64, 128, 4, 3, pairs=True)})
     if block_m == 64:
-        return ({"s1n64k64s4": k(64, 64, 4, 4, pairs=True), "s1n128k64w8s4": k(128, 64, 8, 4, pairs=True)},
+        return ({"s1n64k64s4": k(64, 64, 4, 4, pairs=True), "s1n128k64w8s4": k(128, 64, 8, 4, pairs=True),
+                 "s1n64k128s3": k(64, 128, 4, 3, pairs=True)},
                 {"s2n128k128w8": k(128, 128, 8, 3, pairs=True), "s2n128k64w8s4": k(128, 64, 8, 4, pairs=True)})
     return ({"s1n64k64w8": k(64, 64, 8, 3, swap=False, pairs=True),
              "s1n64k64w8s4": k(64, 64, 8, 4, swap=False, pairs=True)},

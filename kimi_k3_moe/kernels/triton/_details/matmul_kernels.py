@@ -89,8 +89,8 @@ def stage1_aligned_kernel(
 ):
     """inter[row, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
 
-    PAIRS: one dot per K step per accumulator on the pair order (x gathered in that order
-    from its plain rows); else INTERLEAVE: x in plain order, weights regrouped in registers;
+    PAIRS: one dot per K step per accumulator, x (already in pair order) and the weights
+    in pair order; else INTERLEAVE: x in plain order, weights regrouped in registers;
     else x in word order of BLOCK_K tiles and eight dots per step. inter goes out in pair
     order (OUT_PAIRS), in word order of OUT_BLOCK_K tiles (what stage 2's word dots read), or
     plain when OUT_BLOCK_K is 0. Padded rows are not stored."""
@@ -122,11 +122,10 @@ def stage1_aligned_kernel(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_words = x_rows + tl.arange(0, BLOCK_K // 8)[None, :]
-    # pairs of K stay adjacent: the hint lets the gather move 4-byte pieces (cp.async)
-    x_pairs = x_rows + tl.max_contiguous(tl.multiple_of(pair_order(tl.arange(0, BLOCK_K)), 2), 2)[None, :]
+    x_plain = x_rows + tl.arange(0, BLOCK_K)[None, :]
     for k0 in range(0, hidden, BLOCK_K):
         if PAIRS:
-            x = cast_to(tl.load(x_pairs + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
+            x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
             g = load_weight_pairs(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
             u = load_weight_pairs(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
             acc_g = _dot1(acc_g, x, g, SWAP)
