@@ -22,12 +22,13 @@ def _stage_sets(block_m: int):
     rows, where the two stage-1 accumulators still fit next to the decoded tile; 128 rows not."""
     k = KernelConfig
     if block_m <= 32:
-        return ({"s1n64k128s3": k(64, 128, 4, 3, pairs=True), "s1n64k128s4": k(64, 128, 4, 4, pairs=True),
+        return ({"s1n64k128s3": k(64, 128, 4, 3, pairs=True), "s1n64k256s4": k(64, 256, 4, 4, pairs=True),
                  "s1n64k256s3": k(64, 256, 4, 3, pairs=True)},
-                {"s2n128k128w8": k(128, 128, 8, 3, pairs=True), "s2n64k128": k(64, 128, 4, 3, pairs=True)})
+                {"s2n64k64s4": k(64, 64, 4, 4, pairs=True), "s2n64k128": k(64, 128, 4, 3, pairs=True),
+                 "s2n64k128s2": k(64, 128, 4, 2, pairs=True)})
     if block_m == 64:
-        return ({"s1n64k64s4": k(64, 64, 4, 4, pairs=True), "s1n128k64w8s4": k(128, 64, 8, 4, pairs=True),
-                 "s1n64k128s3": k(64, 128, 4, 3, pairs=True)},
+        return ({"s1n64k64s4": k(64, 64, 4, 4, pairs=True), "s1n64k128s3": k(64, 128, 4, 3, pairs=True),
+                 "s1n64k256s3": k(64, 256, 4, 3, pairs=True)},
                 {"s2n128k128w8": k(128, 128, 8, 3, pairs=True), "s2n128k64w8s4": k(128, 64, 8, 4, pairs=True)})
     return ({"s1n64k64w8": k(64, 64, 8, 3, swap=False, pairs=True),
              "s1n64k64w8s4": k(64, 64, 8, 4, swap=False, pairs=True)},
@@ -35,14 +36,32 @@ def _stage_sets(block_m: int):
              "s2n256k64w8": k(256, 64, 8, 3, swap=False, pairs=True)})
 
 
-def candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
-    """One-dot variants of an aligned config at `tokens` (gemv tiers get none)."""
+def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 384) -> dict[str, MoEConfig]:
+    """One-dot variants of an aligned config at `tokens` (gemv tiers get none), valid for the shape;
+    stage-2 K steps that do not divide I (TP16: 192) become 64 wide."""
+    out = {}
+    for name, cfg in _candidates(base, tokens).items():
+        if inter % cfg.stage2.block_k:
+            cfg = replace(cfg, stage2=replace(cfg.stage2, block_k=64))
+        try:
+            out[name] = cfg.validate(hidden, inter)
+        except ValueError:
+            pass
+    return out
+
+
+def _candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
     if base.path != "aligned":
         return {}
     bms = [base.block_m]
     if tokens >= 1024:
-        bms += [2 * base.block_m] if base.block_m < 64 else [64, 128]
+        bms += [2 * base.block_m] if base.block_m < 64 else []
     out = {}
+    if tokens >= 4096:  # one stage on the pair order beside the table's other stage
+        for name, s2 in (("s2n128k128w8", KernelConfig(128, 128, 8, 3, pairs=True)),
+                         ("s2n64k128", KernelConfig(64, 128, 4, 3, pairs=True))):
+            out[f"table-s1-{name}"] = replace(base, stage2=s2)
+        out["s1n64k128s3-table-s2"] = replace(base, stage1=KernelConfig(64, 128, 4, 3, pairs=True))
     for bm in dict.fromkeys(bms):
         s1s, s2s = _stage_sets(bm)
         for n1, s1 in s1s.items():
@@ -81,7 +100,7 @@ def main() -> int:
     for fmt in args.formats.split(","):
         be = get_backend("triton", weight_format=fmt)
         p = be.prepare(requantize_experts(experts, progress=False) if fmt == "int4" else experts)
-        plans = {t: {"table": be.lookup(p, t).config, **candidates(be.lookup(p, t).config, t)} for t in tokens}
+        plans = {t: {"table": be.lookup(p, t).config, **candidates(be.lookup(p, t).config, t, h, i)} for t in tokens}
         act = (situ.name, situ.beta, situ.linear_beta)
         precompile([Recipe(fmt, e, h, i, t, K3_TOPK, act, json.dumps(c.to_json(), sort_keys=True))
                     for t in tokens for c in plans[t].values()])

@@ -36,8 +36,12 @@ ALIGNED_PAIRS = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True, p
                           KernelConfig(64, 64, 4, 2, swap=True, pairs=True), "bits")
 ALIGNED_PAIRS_NOSWAP = replace(ALIGNED_PAIRS, block_m=32, stage1=replace(ALIGNED_PAIRS.stage1, swap=False),
                                stage2=replace(ALIGNED_PAIRS.stage2, swap=False, block_k=32))
+# a pair-order stage beside an interleaving one (stage 1 writes what stage 2 reads)
+ALIGNED_PAIRS_MIXED = replace(ALIGNED_PAIRS, stage2=ALIGNED.stage2)
+ALIGNED_MIXED_PAIRS = replace(ALIGNED_PAIRS, stage1=ALIGNED_WORDDOTS.stage1)
 PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS,
-         "aligned-pairs": ALIGNED_PAIRS, "aligned-pairs-noswap": ALIGNED_PAIRS_NOSWAP}
+         "aligned-pairs": ALIGNED_PAIRS, "aligned-pairs-noswap": ALIGNED_PAIRS_NOSWAP,
+         "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS}
 
 
 def reference(backend, prepared, hidden, weights, ids, act, emap=None):
