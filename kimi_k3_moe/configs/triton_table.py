@@ -38,6 +38,7 @@ class KernelConfig:
     num_stages: int = 3
     swap: bool = True  # aligned path: weights as the MMA's M operand (good for few tokens per tile)
     interleave: bool = True  # aligned path: restore K order in registers (2 dots) or 8 dots on K = 8c + j
+    pairs: bool = False  # aligned path: one dot per K step on the pair order (decode.pair_order); wins over interleave
 
     def validate(self, k: int, what: str, min_block_n: int = 16) -> None:
         for name in ("block_n", "block_k", "num_warps"):

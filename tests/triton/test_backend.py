@@ -27,7 +27,16 @@ TOL = 1e-2
 GEMV, ALIGNED, ALIGNED_NOSWAP = P.GEMV, P.ALIGNED, P.ALIGNED_NOSWAP
 ALIGNED_WORDDOTS = MoEConfig("aligned", 16, KernelConfig(64, 128, 4, 2, swap=True, interleave=False),
                              KernelConfig(64, 64, 4, 2, swap=False), "bits")
-PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS}
+ALIGNED_PAIRS = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True, pairs=True),
+                          KernelConfig(64, 64, 4, 2, swap=True, pairs=True), "bits")
+ALIGNED_PAIRS_NOSWAP = replace(ALIGNED_PAIRS, block_m=32, stage1=replace(ALIGNED_PAIRS.stage1, swap=False),
+                               stage2=replace(ALIGNED_PAIRS.stage2, swap=False, block_k=32))
+# a pair-order stage beside an interleaving one (stage 1 writes what stage 2 reads)
+ALIGNED_PAIRS_MIXED = replace(ALIGNED_PAIRS, stage2=ALIGNED.stage2)
+ALIGNED_MIXED_PAIRS = replace(ALIGNED_PAIRS, stage1=ALIGNED_WORDDOTS.stage1)
+PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS,
+         "aligned-pairs": ALIGNED_PAIRS, "aligned-pairs-noswap": ALIGNED_PAIRS_NOSWAP,
+         "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS}
 
 
 def reference(backend, prepared, hidden, weights, ids, act, emap=None):
@@ -97,7 +106,7 @@ def test_betas_are_honoured(problem):
     assert relative_l2(outs[0], outs[2].float()) > 1e-3
 
 
-@pytest.mark.parametrize("path", ["gemv", "aligned"])
+@pytest.mark.parametrize("path", ["gemv", "aligned", "aligned-pairs"])
 def test_expert_map_skips_experts_of_other_ranks(path, problem):
     ex, _, gen = problem
     backend = get_backend("triton", config=PATHS[path])
@@ -111,12 +120,13 @@ def test_expert_map_skips_experts_of_other_ranks(path, problem):
     assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
 
 
-def test_int4_offsets_and_preconverted_experts(problem):
+@pytest.mark.parametrize("path", ["aligned", "aligned-pairs"])
+def test_int4_offsets_and_preconverted_experts(path, problem):
     ex, conv, gen = problem
     off = Int4Experts(*(int4.Int4Weights(w.packed, w.scales, "asym",
                                          (torch.randn(w.scales.shape, generator=gen) * 0.02).bfloat16())
                         for w in (conv.w13, conv.w2)))
-    backend = get_backend("triton", weight_format="int4", int4_method="asym", config=ALIGNED)
+    backend = get_backend("triton", weight_format="int4", int4_method="asym", config=PATHS[path])
     prepared = backend.prepare(off)
     assert prepared.has_offsets
     hidden = P.hidden(gen, 4)

@@ -1,17 +1,27 @@
 """The decoders and the token alignment, run under the interpreter."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.triton import layout
+from kimi_k3_moe.kernels.triton._details.decode import pair_order
 from kimi_k3_moe.kernels.triton.alignment import align_launches
 from kimi_k3_moe.kernels.triton.probe import decode_rows
 
 import triton_problems as _data
 
 
+@triton.jit
+def _pair_order_probe(out_ptr, N: tl.constexpr):
+    k = tl.arange(0, N)
+    tl.store(out_ptr + k, pair_order(k))
+
+
+@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("fmt", ["mxfp4", "int4", "int4+offsets"])
-def test_bits_decoder_matches_the_format(fmt, gen):
+def test_bits_decoder_matches_the_format(fmt, pairs, gen):
     ex = _data.experts(gen, e=1, h=256, i=32)
     if fmt == "mxfp4":
         prepared = layout.from_mxfp4(*ex.tensors())
@@ -23,7 +33,7 @@ def test_bits_decoder_matches_the_format(fmt, gen):
         prepared = layout.from_int4(*conv)
     got = decode_rows(prepared.w13[0], prepared.w13_scale[0],
                       None if prepared.w13_offset is None else prepared.w13_offset[0],
-                      "mxfp4" if fmt == "mxfp4" else "int4", "bits", block_n=16, block_k=128)
+                      "mxfp4" if fmt == "mxfp4" else "int4", "bits", block_n=16, block_k=128, pairs=pairs)
     want = prepared.dequantize(0)[0]
     # the kernels feed bf16 to the dot: MXFP4 is exact there, int4 rounds to nearest
     assert torch.equal(got, want.bfloat16().float())
@@ -60,3 +70,14 @@ def test_alignment_groups_every_pair_once(with_map, gen):
         block = block[block < flat.numel()]
         assert block.numel() > 0, "a block without pairs"
         assert torch.all(want_local[block] == pairs.block_expert[b])
+
+
+def test_pair_order_is_the_wgmma_register_order():
+    """Position 32g + 8p + 2q + b of the pair order holds K = 32g + 8q + 2p + b (pair p of word q),
+    and the order is its own inverse, so stage 1 writes what stage 2 reads with one function."""
+    n = 128
+    got = torch.empty(n, dtype=torch.int32)
+    _pair_order_probe[(1,)](got, N=n)
+    want = [32 * (c // 32) + 8 * ((c >> 1) & 3) + 2 * ((c >> 3) & 3) + (c & 1) for c in range(n)]
+    assert got.tolist() == want
+    assert got[got.long()].tolist() == list(range(n))

@@ -48,6 +48,8 @@ def fp8_config(config: MoEConfig) -> MoEConfig:
         return config
 
     def fix(cfg: KernelConfig, accumulators: int) -> KernelConfig:
+        if cfg.pairs:  # the e4m3 kernels have no pair-order variant: they take the K-order dots
+            cfg = replace(cfg, pairs=False, interleave=True)
         if not cfg.interleave and cfg.block_k // 8 < MIN_DOT_K:
             cfg = replace(cfg, interleave=True)
         if accumulators == 2 and config.block_m in ONE_DOT_BLOCK_MS:

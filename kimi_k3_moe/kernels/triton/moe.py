@@ -8,7 +8,7 @@ from kimi_k3_moe.configs.triton_table import MoEConfig
 from kimi_k3_moe.kernels.triton.alignment import align_launches
 from kimi_k3_moe.kernels.triton.launch import Launch
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.kernels.triton.stage1 import stage1_aligned, stage1_gemv, word_order
+from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, word_order
 from kimi_k3_moe.kernels.triton.stage2 import stage2_aligned, stage2_gemv
 
 
@@ -27,9 +27,13 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
     pairs, align = align_launches(topk_ids, expert_map, experts.num_experts, config.block_m)
     launches = list(align)
     x = hidden
-    if not s1_cfg.interleave:
+    if s1_cfg.pairs:
+        x, permute = pair_order(hidden)
+        launches.append(permute)
+    elif not s1_cfg.interleave:
         x, permute = word_order(hidden, s1_cfg.block_k)
         launches.append(permute)
     inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode,
-                               out_block_k=0 if s2_cfg.interleave else s2_cfg.block_k)
+                               out_block_k=0 if s2_cfg.pairs or s2_cfg.interleave else s2_cfg.block_k,
+                               out_pairs=s2_cfg.pairs)
     return [*launches, s1, *stage2_aligned(experts, inter, pairs, topk_weights, out, s2_cfg, config.decode)]

@@ -11,8 +11,9 @@ _DECODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
 
 
 def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, fmt: str,
-                decode: str = "bits", block_n: int = 16, block_k: int = 64) -> torch.Tensor:
-    """[rows, K/2] word-layout codes (+ scales, offsets) -> fp32 [rows, K], through the kernels' decoder."""
+                decode: str = "bits", block_n: int = 16, block_k: int = 64, pairs: bool = False) -> torch.Tensor:
+    """[rows, K/2] word-layout codes (+ scales, offsets) -> fp32 [rows, K], through the kernels' decoder
+    (pairs: the pair-order tile of the one-dot kernels, else the two regrouped halves)."""
     from kimi_k3_moe.kernels.triton._details.probe_kernels import decode_probe_kernel
     rows, half = words.shape
     k = half * 2
@@ -22,7 +23,7 @@ def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     decode_probe_kernel[(cdiv(rows, block_n),)](
         words.contiguous(), scales.contiguous(), (scales if offsets is None else offsets).contiguous(), out,
         rows, k, FMT=C.FMT_MXFP4 if fmt == MXFP4 else C.FMT_INT4, HAS_OFFSETS=offsets is not None,
-        DECODE=_DECODES[decode], BLOCK_N=block_n, BLOCK_K=block_k)
+        DECODE=_DECODES[decode], BLOCK_N=block_n, BLOCK_K=block_k, PAIRS=pairs)
     return out
 
 

@@ -12,7 +12,7 @@ from kimi_k3_moe.configs.triton_table import KernelConfig
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
-from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_words_kernel
+from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_pairs_kernel, permute_words_kernel
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv
 from kimi_k3_moe.experts import MXFP4
@@ -53,11 +53,21 @@ def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch
         4, 1, "stage1.word_order")
 
 
+def pair_order(hidden: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, Launch]:
+    """hidden (any float dtype, K a multiple of 32) -> bf16 copy in pair order (decode.pair_order)."""
+    out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
+    block_k = min(block_k, hidden.shape[1] & -hidden.shape[1])
+    return out, Launch(permute_pairs_kernel, (hidden.shape[0], cdiv(hidden.shape[1], block_k)), dict(
+        x_ptr=hidden, stride_xm=hidden.stride(0), out_ptr=out, stride_om=out.stride(0), BLOCK_K=block_k),
+        4, 1, "stage1.pair_order")
+
+
 def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
                    activation: ActivationSpec, cfg: KernelConfig, decode: str,
-                   out_block_k: int = 0) -> tuple[torch.Tensor, Launch]:
-    """`hidden` must already be in word order when cfg.interleave is False; inter comes out in
-    word order of out_block_k tiles (0: plain)."""
+                   out_block_k: int = 0, out_pairs: bool = False) -> tuple[torch.Tensor, Launch]:
+    """`hidden` must already be in pair order when cfg.pairs, in word order when neither
+    cfg.pairs nor cfg.interleave; inter
+    comes out in pair order (out_pairs), else in word order of out_block_k tiles (0: plain)."""
     inter_size = experts.intermediate_size
     inter = torch.empty(pairs.max_rows, inter_size, dtype=torch.bfloat16, device=hidden.device)
     args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13"),
@@ -66,7 +76,8 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
                 num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
                 TOPK=topk, DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
-                BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k)
+                PAIRS=cfg.pairs, BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs)
     grid = (pairs.max_blocks, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
 

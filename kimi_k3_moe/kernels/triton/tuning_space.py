@@ -18,16 +18,21 @@ TOPK = 16
 ACT = ActivationSpec.situv2(4.0, 25.0)
 GEMV_MAX_TOKENS = 16
 
-# (block_n, block_k, num_warps, num_stages[, interleave]); the GEMV path does its own
+# (block_n, block_k, num_warps, num_stages[, order]), order True: interleave, False: word dots,
+# PAIRS: one dot per K step on the pair order (the H200's winners at 16-256 tokens, 2026-12-01;
+# block_k 256 was faster still under Triton 3.6 but spills under 3.9). The GEMV path does its own
 # one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
 GEMV_S1 = [(16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 512, 4, 1)]
 GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
 # most promising first: the secondary entries try only the first QUICK of each list
-ALIGNED_S1 = [(64, 256, 4, 3, False), (128, 64, 8, 4, True), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
+PAIRS = "pairs"
+ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (64, 256, 4, 3, PAIRS),
+              (64, 256, 4, 3, False), (128, 64, 8, 4, True), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
               (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
               # two stages: less shared memory per CTA, so more CTAs per SM on the latency-bound sizes
               (64, 256, 4, 2, False), (64, 128, 4, 2, False), (128, 128, 8, 2, False)]
-ALIGNED_S2 = [(128, 64, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
+ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS),
+              (128, 64, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
               (128, 128, 8, 3, True), (128, 128, 4, 4, False), (64, 128, 4, 3, False)]
 REGISTER_MARGIN = 250  # configs using more are treated as spilling (see tune_entry)
 QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
@@ -50,9 +55,10 @@ def swaps(block_m: int) -> list[bool]:
 
 
 def kc(t, swap=True) -> KernelConfig:
-    bn, bk, w, s, *il = t
+    bn, bk, w, s, *order = t
+    order = order[0] if order else True
     return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap,
-                        interleave=il[0] if il else True)
+                        interleave=order is not False, pairs=order == PAIRS)
 
 
 def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
@@ -81,7 +87,7 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
         s1 = [replace(base, stage1=kc(c, sw)) for c, sw in product(ALIGNED_S1[:n], swaps(bm))]
         s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2[:n], swaps(bm))]
         # shapes whose stage-2 K (= I) does not take block_k 128 (TP16: I = 192) get block_k 64 tiles
-        s2 += [replace(base, stage2=kc((bn, 64, w, st, True), sw)) for (bn, bk, w, st, il), sw
+        s2 += [replace(base, stage2=kc((bn, 64, w, st, order), sw)) for (bn, bk, w, st, order), sw
                in product(ALIGNED_S2[:n], swaps(bm)) if inter % bk]
         s1 = [c for c in s1 if valid(c, hidden, inter)]
         s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))

@@ -275,3 +275,28 @@ def load_weight_tile(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n,
     wa = _interleave4(v0, v1, v2, v3, BLOCK_N, BLOCK_K // 2)
     wb = _interleave4(v4, v5, v6, v7, BLOCK_N, BLOCK_K // 2)
     return wa, wb
+
+
+@triton.jit
+def pair_order(k):
+    """Column of the pair order that holds K index k (an involution inside each 32-group).
+
+    Position 32g + 8p + 2q + b holds K = 32g + 8q + 2p + b: the bf16 pair p of word q of
+    group g. Read in this order, a word's four decoded pairs are exactly one thread's
+    register operand of a K-order wgmma (pairs at 2q, 2q + 8, 2q + 16, 2q + 24 of a
+    32-wide K slice), so a K step is one dot and no regrouping shuffles are needed."""
+    return (k & -32) | (((k >> 3) & 3) << 1) | (((k >> 1) & 3) << 3) | (k & 1)
+
+
+@triton.jit
+def load_weight_pairs(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n,
+                      FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile in pair order, bf16 [BLOCK_N, BLOCK_K]: column c holds K = k0 + pair_order(c)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n, FMT,
+                                                       HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+    # [BN, C, b, p0, p1] with word c = 4g + q and pair p = 2 p1 + p0
+    t = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    t = tl.reshape(t, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2))
+    t = tl.permute(t, (0, 1, 5, 4, 2, 3))  # -> [BN, g, p1, p0, q, b]
+    return tl.reshape(t, (BLOCK_N, BLOCK_K))

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import load_weight_tile, load_weight_words, word_k_offsets
+from kimi_k3_moe.kernels.triton._details.decode import (load_weight_pairs, load_weight_tile, load_weight_words,
+                                                        pair_order, word_k_offsets)
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
@@ -79,17 +80,20 @@ def stage1_aligned_kernel(
     o_ptr,
     inter_ptr, stride_im,
     sorted_ptr, block_expert_ptr, num_rows_ptr,
-    num_pairs, inter_size, hidden,
+    num_pairs, inter_size, hidden: tl.constexpr,
     beta, linear_beta,
     TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
-    DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr,
+    DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BLOCK_K: tl.constexpr,
+    OUT_PAIRS: tl.constexpr,
 ):
     """inter[row, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
 
-    INTERLEAVE: x in plain order, weights regrouped in registers; else x in word order of
-    BLOCK_K tiles and eight dots per step. inter goes out in word order of OUT_BLOCK_K tiles
-    (what stage 2's word dots read), or plain when OUT_BLOCK_K is 0."""
+    PAIRS: one dot per K step per accumulator, x (already in pair order) and the weights
+    in pair order; else INTERLEAVE: x in plain order, weights regrouped in registers;
+    else x in word order of BLOCK_K tiles and eight dots per step. inter goes out in pair
+    order (OUT_PAIRS), in word order of OUT_BLOCK_K tiles (what stage 2's word dots read), or
+    plain when OUT_BLOCK_K is 0. Padded rows are not stored."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -118,8 +122,15 @@ def stage1_aligned_kernel(
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     x_words = x_rows + tl.arange(0, BLOCK_K // 8)[None, :]
+    x_plain = x_rows + tl.arange(0, BLOCK_K)[None, :]
     for k0 in range(0, hidden, BLOCK_K):
-        if INTERLEAVE:
+        if PAIRS:
+            x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
+            g = load_weight_pairs(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            u = load_weight_pairs(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            acc_g = _dot1(acc_g, x, g, SWAP)
+            acc_u = _dot1(acc_u, x, u, SWAP)
+        elif INTERLEAVE:
             xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
             xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
             ga, gb = load_weight_tile(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
@@ -140,12 +151,14 @@ def stage1_aligned_kernel(
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
     h = apply_activation(acc_g, acc_u, beta, linear_beta, ACT)
-    if OUT_BLOCK_K > 0:
+    if OUT_PAIRS:
+        dest = pair_order(offs_n)
+    elif OUT_BLOCK_K > 0:
         dest = word_position(offs_n, OUT_BLOCK_K)
     else:
         dest = offs_n
     out = inter_ptr + rows[:, None].to(tl.int64) * stride_im + dest[None, :]
-    tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=(offs_n < inter_size)[None, :])
+    tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < inter_size)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -157,11 +170,15 @@ def stage2_aligned_kernel(
     y_ptr, stride_ym,
     topk_w_ptr,
     sorted_ptr, block_expert_ptr, num_rows_ptr,
-    num_pairs, hidden, inter_size,
+    num_pairs, hidden, inter_size: tl.constexpr,
     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
-    INTERLEAVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y[pair, n] = router_weight[pair] * (inter[row] . W2_e[n]), stored per (token, slot) pair."""
+    """y[pair, n] = router_weight[pair] * (inter[row] . W2_e[n]), stored per (token, slot) pair.
+
+    PAIRS: inter in pair order, one dot per K step. Padded rows (never stored by stage 1)
+    are not loaded."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -183,15 +200,21 @@ def stage2_aligned_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_words = a_rows + tl.arange(0, BLOCK_K // 8)[None, :]
+    a_plain = a_rows + tl.arange(0, BLOCK_K)[None, :]
     for k0 in range(0, inter_size, BLOCK_K):
-        if INTERLEAVE:
-            xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :]), tl.bfloat16)
-            xb = cast_to(tl.load(a_rows + (k0 + 4 + ka)[None, :]), tl.bfloat16)
+        if PAIRS:
+            x = cast_to(tl.load(a_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
+            w = load_weight_pairs(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+            acc = _dot1(acc, x, w, SWAP)
+        elif INTERLEAVE:
+            xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+            xb = cast_to(tl.load(a_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0),
+                         tl.bfloat16)
             wa, wb = load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
                                       BLOCK_N, BLOCK_K)
             acc = _acc_dot(acc, xa, xb, wa, wb, SWAP)
         else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, rows[:, None] >= 0, BLOCK_K // 8)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, row_ok[:, None], BLOCK_K // 8)
             v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT,
                                                                HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
             acc = _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP)

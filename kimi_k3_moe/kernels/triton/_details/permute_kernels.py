@@ -10,6 +10,7 @@ stage 2 reads it that way (`word_position`).
 import triton
 import triton.language as tl
 
+from kimi_k3_moe.kernels.triton._details.decode import pair_order
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 
 
@@ -30,3 +31,13 @@ def permute_words_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.const
     j = tl.arange(0, 8)
     v = tl.load(x_ptr + t * stride_xm + k0 + 8 * c[:, None] + j[None, :])
     tl.store(out_ptr + t * stride_om + k0 + j[:, None] * W + c[None, :], cast_to(tl.trans(v), tl.bfloat16))
+
+
+@triton.jit
+def permute_pairs_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.constexpr):
+    """out[t] = x[t] in pair order (bf16; decode.pair_order, its own inverse); one program per
+    (row, BLOCK_K tile). The one-dot kernels then load their activations contiguously."""
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    v = tl.load(x_ptr + t * stride_xm + pair_order(k))
+    tl.store(out_ptr + t * stride_om + k, cast_to(v, tl.bfloat16))
