@@ -7,6 +7,8 @@ decoded weights are rounded to bf16); a wrong layout or activation lands
 far above 1e-2.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
