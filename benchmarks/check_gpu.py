@@ -424,14 +424,12 @@ def int4_method_checks(chk, dev, gen, e, h, i, topk, tokens, methods, workers) -
             del cache, p
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def validation_checks(chk, dev, gen, e, h, i) -> None:
     """The load-time scan (weights.validate) on the GPU: clean experts pass, a NaN byte and an overflowing
     byte are refused before the Triton backend sees them, and the scan's cost next to a layer copy."""
-    from kimi_k3_moe.dispatch import detect_platform, plan_backends
+    from kimi_k3_moe.dispatch import plan_backends
+    from kimi_k3_moe.platform import detect_platform
     from kimi_k3_moe.routed_experts import RoutedExperts
     from kimi_k3_moe.weights.validate import MAX_SCALE_BYTE, WeightValidationError, find_problems
 
@@ -470,3 +468,7 @@ def validation_checks(chk, dev, gen, e, h, i) -> None:
             message = str(exc)
             ok = f"expert {expert} tensor" in message
         chk.record(ok, check=f"validate refuses {name}", message=message[:160])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
