@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.experts import ExpertWeights, Int4Experts, WeightFormat, require_format
+from kimi_k3_moe.experts import INT4, ExpertWeights, Int4Experts, WeightFormat, require_format
 
 # Scratch budget of one chunk. On a GPU a larger chunk amortises the
 # per-class loop of the search (a few hundred small kernels per chunk).
@@ -68,7 +68,7 @@ def to_format(experts, fmt: WeightFormat, where: str = "the load path"):
     when their method is `fmt`'s: methods are never mixed silently. Anything
     else (a backend's own prepared form) passes through for the backend to judge.
     """
-    if fmt.kind == "int4" and isinstance(experts, ExpertWeights):
+    if fmt.kind == INT4 and isinstance(experts, ExpertWeights):
         return requantize_experts(experts, method=fmt.method)
     if isinstance(experts, (ExpertWeights, Int4Experts)):
         require_format(experts, fmt, where)

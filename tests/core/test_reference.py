@@ -69,11 +69,17 @@ def test_torch_backend_matches_loop_and_honours_activation(gen, weight_format):
     assert relative_l2(backend.forward(prepared, hidden, weights, ids, SILU), expected_silu) < 1e-2
 
 
+def float64_layer(gen, tokens, e=8, k=3, **shape):
+    """(experts, router weights, ids, float64 hidden, the float64 MoE output of the whole layer)."""
+    experts = random_experts(gen, e=e, **shape)
+    weights, ids = random_routing(gen, tokens, e, k, normalize=True)
+    hidden = torch.randn(tokens, experts.hidden_size, generator=gen, dtype=torch.float64)
+    return experts, weights, ids, hidden, moe_forward(hidden, *experts.tensors(), weights, ids, SITU,
+                                                      compute_dtype=torch.float64)
+
+
 def test_tensor_parallel_partials_sum_to_full(gen):
-    experts = random_experts(gen, e=6, i=64)
-    weights, ids = random_routing(gen, 9, experts.num_experts, 3, normalize=True)
-    hidden = torch.randn(9, experts.hidden_size, generator=gen, dtype=torch.float64)
-    full = moe_forward(hidden, *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
+    experts, weights, ids, hidden, full = float64_layer(gen, 9, e=6, i=64)
     tp, part = 2, experts.intermediate_size // 2
     total = torch.zeros_like(full)
     for rank in range(tp):
@@ -87,10 +93,7 @@ def test_tensor_parallel_partials_sum_to_full(gen):
 
 
 def test_expert_parallel_partials_sum_to_full(gen):
-    experts = random_experts(gen, e=8)
-    weights, ids = random_routing(gen, 11, 8, 3, normalize=True)
-    hidden = torch.randn(11, experts.hidden_size, generator=gen, dtype=torch.float64)
-    full = moe_forward(hidden, *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
+    experts, weights, ids, hidden, full = float64_layer(gen, 11)
     owned = [[0, 3, 5], [1, 2, 4, 6, 7]]
     total = torch.zeros_like(full)
     backend = get_backend("torch")
@@ -107,10 +110,7 @@ def test_expert_parallel_partials_sum_to_full(gen):
 
 def test_negative_ids_are_remote_with_or_without_a_map(gen):
     """SGLang's EP dispatcher hands over local ids with -1 for experts on other ranks."""
-    experts = random_experts(gen, e=8)
-    weights, ids = random_routing(gen, 9, 8, 3, normalize=True)
-    hidden = torch.randn(9, experts.hidden_size, generator=gen, dtype=torch.float64)
-    full = moe_forward(hidden, *experts.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
+    experts, weights, ids, hidden, full = float64_layer(gen, 9)
     backend = get_backend("torch")
     total = torch.zeros_like(full)
     for mine in ([0, 3, 5], [1, 2, 4, 6, 7]):

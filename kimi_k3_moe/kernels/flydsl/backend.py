@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from kimi_k3_moe.act_quant import ActQuant, check_supported
+from kimi_k3_moe.act_quant import BF16, ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import ExpertWeights, Int4Experts, WeightFormat
+from kimi_k3_moe.experts import MXFP4, ExpertWeights, Int4Experts, WeightFormat
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels.flydsl import SPEC
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
@@ -42,7 +42,7 @@ class FlyDSLBackend(MoEBackend):
 
     def __init__(self, arch: str | None = None, weight_format: str | None = None, *,
                  int4_method: str = int4.DEFAULT_METHOD,
-                 betas: str = "const", reduce: str = "slots", device: int = 0, act_dtype: str = "bf16"):
+                 betas: str = "const", reduce: str = "slots", device: int = 0, act_dtype: str = BF16):
         self.device_index = device
         self.arch = check_arch(arch) if arch is not None else detect_arch(device)
         if self.arch is not None:
@@ -57,8 +57,8 @@ class FlyDSLBackend(MoEBackend):
         if int4_method not in int4.METHODS:
             raise ValueError(f"flydsl: int4_method {int4_method!r} not in {int4.METHODS}")
         # refused here, at load: gfx942 has no scaled MFMA (LLVM would abort compiling one)
-        act_dtype = check_supported("flydsl", self.arch, act_dtype, ACT_DTYPES.get(self.arch, ("bf16",)))
-        if act_dtype != "bf16" and fmt != "mxfp4":
+        act_dtype = check_supported("flydsl", self.arch, act_dtype, ACT_DTYPES.get(self.arch, (BF16,)))
+        if act_dtype != BF16 and fmt != MXFP4:
             raise ValueError(f"flydsl on {self.arch}: act_dtype {act_dtype!r} runs on MXFP4 weights "
                              f"(the scaled MFMA reads e2m1), not {fmt!r}")
         self.act_quant = ActQuant.for_dtype(act_dtype)

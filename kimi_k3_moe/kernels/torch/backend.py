@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kimi_k3_moe.act_quant import ActQuant, resolve_act_dtype
+from kimi_k3_moe.act_quant import BF16, ActQuant
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import ExpertWeights, Int4Experts, WeightFormat
+from kimi_k3_moe.experts import MXFP4, ExpertWeights, Int4Experts, WeightFormat
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.torch import SPEC
 from kimi_k3_moe.kernels.base import MoEBackend
@@ -27,14 +27,13 @@ class TorchBackend(MoEBackend):
     name = "torch"
     spec = SPEC
 
-    def __init__(self, weight_format: str = "mxfp4", int4_method: str = int4.DEFAULT_METHOD,
-                 compute_dtype: torch.dtype = torch.float32, act_dtype: str = "bf16",
+    def __init__(self, weight_format: str = MXFP4, int4_method: str = int4.DEFAULT_METHOD,
+                 compute_dtype: torch.dtype = torch.float32, act_dtype: str = BF16,
                  act_quant: ActQuant | None = None):
         try:
             self.format = WeightFormat.of(weight_format, int4_method)
         except ValueError as exc:
             raise ValueError(f"torch backend: {exc}") from None
-        act_dtype = resolve_act_dtype(act_dtype)
         act_quant = act_quant or ActQuant.for_dtype(act_dtype)
         if act_quant.dtype != act_dtype:
             raise ValueError(f"torch backend: act_quant {act_quant} does not match act_dtype {act_dtype!r}")

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kimi_k3_moe.formats import fp8, mxfp4
-from kimi_k3_moe.experts import PackedShapes
+from kimi_k3_moe.experts import MXFP4, PackedShapes
 
 WORD = 8
 SHIFT_BITS = 6            # the e4m3 operand is e2m1 * 2^(6 - d)
@@ -135,7 +135,7 @@ class Fp8Experts(PackedShapes):
     w2_row_scale: torch.Tensor
     lut: torch.Tensor
     inexact_groups: int = 0
-    fmt = "mxfp4"
+    fmt = MXFP4
 
     def __post_init__(self) -> None:
         e, two_i, half_h = self.w13.shape
