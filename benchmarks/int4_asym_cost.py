@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
+from kimi_k3_moe.bench.timing import copy_bandwidth_gbps  # noqa: E402
 from kimi_k3_moe.kernels import BackendUnavailable, get_backend  # noqa: E402
 from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
 from requant_load import HIDDEN, INTER_PER_RANK, layer_experts  # noqa: E402
@@ -40,21 +41,6 @@ def routing(tokens: int, experts: int, top_k: int, device, gen: torch.Generator)
     ids = scores.topk(top_k, dim=1).indices.to(torch.int32)
     weights = torch.sigmoid(torch.randn(tokens, top_k, generator=gen))
     return (weights / weights.sum(1, keepdim=True)).to(device), ids.to(device)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a device-to-device copy (read + write), median of 20."""
-    src = torch.empty(2 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(21):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times[1:])
 
 
 def time_gpu(fn, repeats: int, device: torch.device) -> tuple[float, str]:
@@ -126,7 +112,7 @@ def main(argv=None) -> int:
         prepared[method] = backends[method].prepare(converted)
         del converted
     del mxfp4_experts
-    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    bandwidth = copy_bandwidth_gbps(device) * 1e9 if device.type == "cuda" else None
     per_expert = {m: 3 * HIDDEN * INTER_PER_RANK * (0.5 + 2 / 32 + (2 / 32 if m == "asym" else 0))
                   for m in ("search", "asym")}
     setup = {"backend": args.backend, "device": torch.cuda.get_device_name(device) if device.type == "cuda"

@@ -14,6 +14,7 @@ ACT_DTYPE = "KIMI_K3_MOE_ACT_DTYPE"
 SELF_CHECK = "KIMI_K3_MOE_SELF_CHECK"
 CONVERTED = "KIMI_K3_MOE_CONVERTED"
 VALIDATE_WEIGHTS = "KIMI_K3_MOE_VALIDATE_WEIGHTS"
+TABLES = "KIMI_K3_MOE_TABLES"  # a folder `tune` creates if needed (configs/user_tables.py reads it)
 
 BACKENDS = ("torch", "triton", "flydsl")
 ACT_DTYPES = ("bf16", "fp8", "fp4")

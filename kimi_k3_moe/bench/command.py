@@ -44,30 +44,17 @@ def default_ours() -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import random
 
-    import torch
-
-    from kimi_k3_moe.activation import ActivationSpec
     from kimi_k3_moe.bench import report
     from kimi_k3_moe.bench.env import run_info
     from kimi_k3_moe.bench.peers import make_ours, make_peer
     from kimi_k3_moe.bench.runner import run_bench
-    from kimi_k3_moe.bench.shapes import model_activation, parse_shape, shape_from_model
+    from kimi_k3_moe.bench.shapes import require_gpu, shape_and_activation
     from kimi_k3_moe.bench.timing import GraphTimer, bf16_matmul_tflops, copy_bandwidth_gbps
-    try:
-        tokens = parse_tokens(args.tokens)
-        if args.model:
-            shape, activation = shape_from_model(args.model, args.tp), model_activation(args.model)
-        else:
-            shape, activation = parse_shape(args.shape), ActivationSpec.situv2(4.0, 25.0)
-        ours = default_ours() if args.ours == "auto" else [s for s in args.ours.split(",") if s]
-        peers = [make_ours(s) for s in ours] + [make_peer(p, args.peer_path) for p in args.peers.split(",") if p]
-    except ValueError as exc:
-        print(f"kimi-k3-moe bench: {exc}", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("kimi-k3-moe bench: no GPU visible to PyTorch; the bench times GPU kernels (CUDA/HIP graphs)",
-              file=sys.stderr)
-        return 2
+    tokens = parse_tokens(args.tokens)
+    shape, activation = shape_and_activation(args.model, args.shape, args.tp)
+    ours = default_ours() if args.ours == "auto" else [s for s in args.ours.split(",") if s]
+    peers = [make_ours(s) for s in ours] + [make_peer(p, args.peer_path) for p in args.peers.split(",") if p]
+    require_gpu("the bench times GPU kernels (CUDA/HIP graphs)")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     ceilings = {"copy_GBps": copy_bandwidth_gbps(), "bf16_TFLOPs": bf16_matmul_tflops()}
     info = run_info()

@@ -64,3 +64,18 @@ def shape_from_model(path: str, tp: int = 8) -> Shape:
 def model_activation(path: str):
     from kimi_k3_moe.configs import K3MoEConfig
     return K3MoEConfig.from_hf_config(path).activation
+
+
+def shape_and_activation(model: str | None, shape: str, tp: int):
+    """What `--model`/`--shape` ask for: the model's per-rank shape and its own activation, or a named
+    shape with Kimi-K3's published SiTUv2 betas (4, 25)."""
+    if model:
+        return shape_from_model(model, tp), model_activation(model)
+    from kimi_k3_moe.activation import ActivationSpec
+    return parse_shape(shape), ActivationSpec.situv2(4.0, 25.0)
+
+
+def require_gpu(what: str) -> None:
+    import torch
+    if not torch.cuda.is_available():
+        raise ValueError(f"no GPU visible to PyTorch; {what}")

@@ -17,11 +17,11 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
-from kimi_k3_moe import __version__
+from kimi_k3_moe import __version__, settings
 
 SCHEMA = "kimi-k3-moe/user-table"
 FORMAT_VERSION = 1
-ENV_DIR = "KIMI_K3_MOE_TABLES"
+ENV_DIR = settings.TABLES
 INTERPRETER = "interpreter"
 
 log = logging.getLogger("kimi_k3_moe")

@@ -29,28 +29,19 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kimi_k3_moe.activation import ActivationSpec
     from kimi_k3_moe.bench.data import random_experts
-    from kimi_k3_moe.bench.shapes import model_activation, parse_shape, shape_from_model
+    from kimi_k3_moe.bench.shapes import require_gpu, shape_and_activation
     from kimi_k3_moe.bench.timing import GraphTimer
     from kimi_k3_moe.configs import user_tables
+    shape, activation = shape_and_activation(args.model, args.shape, args.tp)
     try:
-        if args.model:
-            shape, activation = shape_from_model(args.model, args.tp), model_activation(args.model)
-        else:
-            shape, activation = parse_shape(args.shape), ActivationSpec.situv2(4.0, 25.0)
         tiers = [int(t) for t in args.tiers.split(",")] if args.tiers else None
-    except ValueError as exc:
-        print(f"kimi-k3-moe tune: {exc}", file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("kimi-k3-moe tune: no GPU visible to PyTorch; tuning times kernels on the GPU it tunes for",
-              file=sys.stderr)
-        return 2
+    except ValueError:
+        raise ValueError(f"--tiers {args.tiers!r}: expected a comma list of integers") from None
+    require_gpu("tuning times kernels on the GPU it tunes for")
     if shape.is_ep:
-        print(f"kimi-k3-moe tune: {shape.name} is an expert-parallel slice; tune its local shape "
-              f"H,I,{shape.held_experts},K instead", file=sys.stderr)
-        return 2
+        raise ValueError(f"{shape.name} is an expert-parallel slice; tune its local shape "
+                         f"H,I,{shape.held_experts},K instead")
     hip = bool(getattr(torch.version, "hip", None))
     backend = args.backend or ("flydsl" if hip else "triton")
     identity = user_tables.device_identity()
@@ -59,9 +50,8 @@ def run(args: argparse.Namespace) -> int:
                              torch.Generator(device="cuda").manual_seed(seed))
     try:
         target = make_target(backend, shape, experts, activation, identity, args, tiers)
-    except Exception as exc:
-        print(f"kimi-k3-moe tune: the {backend} backend cannot be tuned here: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # whatever stops a backend from building here is the user's answer
+        raise ValueError(f"the {backend} backend cannot be tuned here: {exc}") from exc
     state = user_tables.table_path(backend, identity["key"]).with_suffix(f".{shape.name}.state.json")
     if args.restart:
         state.unlink(missing_ok=True)
