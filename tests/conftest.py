@@ -45,3 +45,13 @@ def module_gen(request) -> torch.Generator:
 def session_seed() -> int:
     """For session-scoped data (e.g. a synthetic checkpoint shared by a suite)."""
     return _BASE_SEED
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """User tables (`kimi-k3-moe tune`) go to tmp_path/tables for this test; yields tmp_path."""
+    from kimi_k3_moe.configs import user_tables
+    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path / "tables"))
+    user_tables.clear_cache()
+    yield tmp_path
+    user_tables.clear_cache()

@@ -16,14 +16,6 @@ H, I, E = 256, 64, 8
 TIERS = [1, 4]
 
 
-@pytest.fixture
-def tables(tmp_path, monkeypatch):
-    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path))
-    user_tables.clear_cache()
-    yield tmp_path
-    user_tables.clear_cache()
-
-
 def triton_entries(block_m=32):
     cfg = tt.heuristic_config(H, I, 64, is_cuda=False)
     cfg = tt.MoEConfig.from_json({**cfg.to_json(), "block_m": block_m})

@@ -8,7 +8,6 @@ compile failure) and one asks for an impossible tile (refused before building).
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from fly_helpers import SITU, random_layer, toolchain_or_skip
@@ -63,14 +62,6 @@ class Rigged(FlyDSLTarget):
 
 def fake_time(label):
     return 3.0 if "wrong" in label else 40.0 + len(label) % 5
-
-
-@pytest.fixture
-def tables(tmp_path, monkeypatch):
-    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path / "tables"))
-    user_tables.clear_cache()
-    yield tmp_path
-    user_tables.clear_cache()
 
 
 def test_flydsl_tune_loop_against_compile_only_builds(tables, gen, seed):

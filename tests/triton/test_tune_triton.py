@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
@@ -48,14 +47,6 @@ class Rigged(TritonTarget):
 
 def fake_time(label: str) -> float:
     return 5.0 if "wrong" in label else 50.0 + len(label) % 7
-
-
-@pytest.fixture
-def tables(tmp_path, monkeypatch):
-    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path / "tables"))
-    user_tables.clear_cache()
-    yield tmp_path
-    user_tables.clear_cache()
 
 
 def make_target(seed, **kw):
