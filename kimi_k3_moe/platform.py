@@ -44,7 +44,7 @@ class Platform:
     @property
     def weight_format(self) -> str:
         """The 4-bit format this hardware multiplies: int4 where there is no FP4 path, else MXFP4."""
-        return INT4 if self.vendor == "rocm" and self.arch in INT4_ARCHS else MXFP4
+        return weight_formats(self.arch)[0]
 
     def __str__(self) -> str:
         return self.vendor if not self.is_gpu else f"{self.vendor} {self.arch} ({self.device_name})"
@@ -70,6 +70,14 @@ def arch_of(props) -> str:
     return gfx_arch(props.gcnArchName) if is_rocm() else f"sm_{props.major}{props.minor}"
 
 
+def for_arch(arch: str | None) -> Platform:
+    """The platform an arch name stands for: "gfx*" ROCm, "sm_*" CUDA, anything else (None, a
+    software target such as Triton's interpreter) the CPU, keeping the name."""
+    if arch and arch.startswith("gfx"):
+        return Platform("rocm", arch)
+    return Platform("cuda", arch) if sm_version(arch) else Platform("cpu", arch)
+
+
 def device_platform(device: int = 0) -> Platform:
     if not torch.cuda.is_available():
         return Platform("cpu")
@@ -81,6 +89,12 @@ def device_platform(device: int = 0) -> Platform:
 def detect_platform(device: int = 0) -> Platform:
     """This process's GPU `device` (read once), or the CPU."""
     return device_platform(device)
+
+
+def weight_formats(arch: str | None) -> tuple[str, ...]:
+    """4-bit weight formats kernels on `arch` can read, the one it multiplies first: int4 alone
+    where there is no FP4 path (INT4_ARCHS), else MXFP4 and int4 (decoded with integer ops)."""
+    return (INT4,) if arch in INT4_ARCHS else (MXFP4, INT4)
 
 
 def hardware_act_dtypes(arch: str | None) -> tuple[str, ...]:

@@ -3,7 +3,7 @@ import torch
 
 from moe_helpers import SITU, Choice, SiluOnlyBackend, broken_plan, random_experts, random_routing
 
-from kimi_k3_moe import dispatch
+from kimi_k3_moe import dispatch, platform
 from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
 from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.kernels import BackendUnavailable
@@ -30,6 +30,19 @@ def test_plans_per_platform():
     assert [n for n, _ in plan("cuda", "sm_90")] == ["triton", "torch"]
     assert [n for n, _ in plan("cuda", "sm_75")] == ["torch"]
     assert [n for n, _ in plan("cpu")] == ["torch"]
+
+
+def test_the_platform_states_which_weight_formats_an_arch_reads():
+    assert platform.weight_formats("gfx942") == ("int4",)             # no FP4 path
+    assert platform.weight_formats("gfx950") == ("mxfp4", "int4")
+    assert platform.weight_formats("sm_90") == platform.weight_formats(None) == ("mxfp4", "int4")
+    assert [Platform(*where).weight_format for where in (("rocm", "gfx942"), ("rocm", "gfx950"), ("rocm", "gfx90a"),
+                                                         ("cuda", "sm_90"), ("cpu",))] == \
+        ["int4", "mxfp4", "mxfp4", "mxfp4", "mxfp4"]
+    assert platform.for_arch("gfx942") == Platform("rocm", "gfx942")
+    assert platform.for_arch("sm_90a") == Platform("cuda", "sm_90a")
+    assert platform.for_arch("interpreter") == Platform("cpu", "interpreter")
+    assert platform.for_arch(None) == Platform("cpu")
 
 
 def test_env_forces_one_backend():

@@ -20,7 +20,7 @@ import torch
 
 import triton_problems as P
 from moe_helpers import SITU
-from kimi_k3_moe import dispatch
+from kimi_k3_moe import dispatch, kernels, platform
 from kimi_k3_moe.act_quant import ActQuant, UnsupportedActDtype
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
@@ -247,6 +247,21 @@ def test_triton_declares_fp8_on_sm89_and_hopper_only():
         assert triton_pkg.supported_act_dtypes(arch) == ("bf16",), arch
     assert triton_pkg.act_quant_for("sm_90", "fp8") == ActQuant("fp8", "token", "token")
     assert triton_pkg.act_quant_for("sm_90", "bf16") == ActQuant()
+
+
+def test_triton_backend_is_made_exactly_where_its_spec_declares_the_act_dtype():
+    spec = kernels.get_spec("triton")
+    assert triton_pkg.supported_act_dtypes(triton_pkg.INTERPRETER_ARCH) == ("bf16", "fp8")
+    for arch in (triton_pkg.INTERPRETER_ARCH, "sm_80", "sm_89", "sm_90", "gfx942", "gfx950"):
+        for fmt in ("mxfp4", "int4"):
+            declared = spec.act_dtypes(platform.for_arch(arch), fmt)
+            for act in ("bf16", "fp8", "fp4"):
+                try:
+                    get_backend("triton", act_dtype=act, arch=arch, weight_format=fmt)
+                except ValueError:
+                    assert act not in declared, (arch, fmt, act)
+                else:
+                    assert act in declared, (arch, fmt, act)
 
 
 def test_unsupported_combinations_are_refused_naming_arch_and_choices():

@@ -5,7 +5,9 @@ kernels are loaded when the backend first prepares or runs experts.
 
 Quantized activations (docs/ACT_DTYPE.md): fp8 e4m3 on NVIDIA sm_89 and sm_90+
 (the matrix unit multiplies e4m3 by e4m3 there), with one float32 scale per row
-at both stages; bf16 everywhere else. No fp4 activations in Triton.
+at both stages; bf16 everywhere else. No fp4 activations in Triton. Triton's CPU
+interpreter (arch "interpreter", TRITON_INTERPRET=1) runs the fp8 kernels' arithmetic
+exactly, so it runs fp8 too (tests).
 """
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ from kimi_k3_moe.experts.format import MXFP4
 from kimi_k3_moe.kernels.spec import BackendSpec
 from kimi_k3_moe.platform import FLYDSL_ARCHS, FP8_MIN_SM, TRITON_MIN_SM, sm_version
 
-__all__ = ["SPEC", "act_quant_for", "make_backend", "supported_act_dtypes"]
+__all__ = ["INTERPRETER_ARCH", "SPEC", "act_quant_for", "make_backend", "supported_act_dtypes"]
+
+INTERPRETER_ARCH = "interpreter"
 
 
 def supported_act_dtypes(arch: str | None) -> tuple[str, ...]:
-    """("bf16", "fp8") on sm_89 and sm_90+ (sm_90a, sm_100, ... too); ("bf16",) elsewhere."""
-    return (BF16, FP8) if sm_version(arch) >= FP8_MIN_SM else (BF16,)
+    """("bf16", "fp8") on sm_89 and sm_90+ (sm_90a, sm_100, ... too) and the interpreter; ("bf16",) elsewhere."""
+    return (BF16, FP8) if arch == INTERPRETER_ARCH or sm_version(arch) >= FP8_MIN_SM else (BF16,)
 
 
 def act_quant_for(arch: str | None, act_dtype: str) -> ActQuant:

@@ -22,21 +22,17 @@ from kimi_k3_moe.configs import triton_table
 from kimi_k3_moe.configs.triton_table import Lookup, MoEConfig
 from kimi_k3_moe.experts import MXFP4, WeightFormat
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.kernels.triton import SPEC
+from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.triton import fp8_layout
 from kimi_k3_moe.kernels.triton.fp8_layout import Fp8Experts
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.platform import TRITON_MIN_SM, detect_platform, is_rocm
+from kimi_k3_moe.platform import TRITON_MIN_SM, detect_platform, for_arch, is_rocm
 from kimi_k3_moe.reference import check_routing
 
 ENV_INTERPRET = "TRITON_INTERPRET"
 DEFAULT_CHUNK_TOKENS = 16384
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-INTERPRETER_ARCH = "interpreter"
-INTERPRETER_ACT_DTYPES = (BF16, FP8)  # the interpreter runs the fp8 kernels' arithmetic exactly (tests)
 
 
 def interpreter_on() -> bool:
@@ -74,15 +70,16 @@ class TritonBackend(MoEBackend):
             raise ValueError(f"triton backend: decode {decode!r} not in {triton_table.DECODES}")
         if chunk_tokens < 1:
             raise ValueError(f"triton backend: chunk_tokens must be >= 1, got {chunk_tokens}")
-        from kimi_k3_moe.kernels.triton import act_quant_for, supported_act_dtypes
         self.arch = arch if arch is not None else detect_arch()
-        supported = INTERPRETER_ACT_DTYPES if self.arch == INTERPRETER_ARCH else supported_act_dtypes(self.arch)
-        check_supported(self.name, self.arch, act_dtype, supported)
-        if act_dtype == FP8 and weight_format != MXFP4:
-            raise ValueError(f"triton backend: fp8 activations run with MXFP4 weights (e2m1 is exact in e4m3); "
-                             f"weight_format {weight_format!r} has no fp8 kernels")
+        # as the spec declares: first what the arch runs at all (MXFP4 weights, the widest choice; that
+        # error names the arch and its choices), then what this weight format allows
+        here = for_arch(self.arch)
+        act_dtype = check_supported(self.name, self.arch, act_dtype, SPEC.act_dtypes(here, MXFP4))
+        if act_dtype not in SPEC.act_dtypes(here, fmt.kind):
+            raise ValueError(f"triton backend: {act_dtype} activations run with MXFP4 weights (e2m1 is exact in "
+                             f"e4m3); weight_format {weight_format!r} has no {act_dtype} kernels")
         self.act_dtype = act_dtype
-        self.act_quant = act_quant_for(self.arch, act_dtype)
+        self.act_quant = SPEC.act_quant_for(self.arch, act_dtype)
         self.format = fmt
         self.prepared_types = (Fp8Experts,) if act_dtype == FP8 else (TritonExperts,)
         self.config = config
