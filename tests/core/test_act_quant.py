@@ -98,6 +98,20 @@ def test_flydsl_quantized_activations_need_mxfp4_weights():
         get_backend("flydsl", arch="gfx950", weight_format="int4", act_dtype="fp8")
 
 
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_flydsl_backend_is_made_exactly_where_its_spec_says_it_serves(arch):
+    spec, platform = kernels.get_spec("flydsl"), Platform("rocm", arch, "test")
+    for fmt in ("mxfp4", "int4"):
+        for act in act_quant.ACT_DTYPES:
+            ok, why = spec.supports(platform, fmt, act)
+            try:
+                get_backend("flydsl", arch=arch, weight_format=fmt, act_dtype=act)
+            except ValueError as exc:
+                assert not ok, (fmt, act, why, exc)
+            else:
+                assert ok, (fmt, act, why)
+
+
 def stand_in_spec(monkeypatch, name, **declared):
     """A stand-in backend package in the Triton backend's place in the plan (index 1 of SPECS)."""
     module = types.ModuleType(f"stand_in_{name}")

@@ -11,7 +11,7 @@ from fly_helpers import SILU, SITU
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.flydsl import tiles
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, UnsupportedArchError
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig, UnsupportedArchError
 from kimi_k3_moe.kernels.flydsl.sweep import K3_HIDDEN, K3_INTER_TP8, K3_TOP_K, ci_configs
 
 K3 = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
@@ -142,6 +142,31 @@ def test_names_carry_activation_and_exact_beta_bits():
     # runtime betas: one binary serves every beta pair (they are kernel arguments)
     assert base.with_activation(SITU, betas="runtime") == base.with_activation(
         ActivationSpec.situv2(2.0, 1.5), betas="runtime")
+
+
+def test_names_are_pinned_for_every_field_that_enters_them():
+    """Names are FlyDSL's cache folders and kernel symbols: a change here must be deliberate."""
+    tile = dict(N=384, K=3584, top_k=16, BM=32, waves=4, n_rep=2)
+    down = dict(stage=2, N=3584, K=384, top_k=16)
+    got = [
+        KernelConfig("gfx942", 1, "int4", activation="silu", **tile).with_activation(SITU).name,
+        KernelConfig("gfx942", 1, "int4", activation="silu", has_offsets=True, int4_decode="cvt_off", **tile).name,
+        KernelConfig("gfx950", 1, "mxfp4", activation="silu", act_dtype="fp8", **tile).with_activation(
+            SITU, betas="runtime").name,
+        KernelConfig("gfx950", weight_format="mxfp4", act_dtype="fp4", reduce="atomic", split_k=3, **down).name,
+        KernelConfig("gfx950", weight_format="int4", waves_per_eu=2, a_lds=True, **down).name,
+        QuantConfig("gfx950", "fp4").name,
+        QuantConfig("gfx950", "fp8", waves=2).name,
+    ]
+    assert got == [
+        "k3moe_s1_gfx942_int4_n384_k3584_top16_bm32_w4x2_u1_situv2_b4010000000000000_lb4039000000000000",
+        "k3moe_s1_gfx942_int4ofs_cvt_off_n384_k3584_top16_bm32_w4x2_u1_silu",
+        "k3moe_s1_gfx950_mxfp4_a8_n384_k3584_top16_bm32_w4x2_u1_situv2_rtbeta",
+        "k3moe_s2_gfx950_mxfp4_a4_n3584_k384_top16_bm16_w4x2_u1_red_atomic_sk3",
+        "k3moe_s2_gfx950_int4_n3584_k384_top16_bm16_w4x2_u1_lds_wpe2_red_slots",
+        "k3moe_q_gfx950_fp4_w4",
+        "k3moe_q_gfx950_fp8_w2",
+    ]
 
 
 def test_every_ci_config_has_a_unique_plain_symbol_name():

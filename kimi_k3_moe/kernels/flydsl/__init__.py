@@ -15,9 +15,9 @@ from __future__ import annotations
 from kimi_k3_moe.act_quant import BF16
 from kimi_k3_moe.experts.format import INT4, MXFP4
 from kimi_k3_moe.kernels.spec import BackendSpec
-from kimi_k3_moe.platform import FLYDSL_ARCHS, hardware_act_dtypes
+from kimi_k3_moe.platform import FLYDSL_ARCHS, hardware_act_dtypes, weight_formats
 
-__all__ = ["SPEC", "make_backend", "supported_act_dtypes"]
+__all__ = ["SPEC", "make_backend", "supported_act_dtypes", "supported_weight_formats"]
 
 
 def supported_act_dtypes(arch: str | None) -> tuple[str, ...]:
@@ -25,11 +25,22 @@ def supported_act_dtypes(arch: str | None) -> tuple[str, ...]:
     return hardware_act_dtypes(arch) if arch in FLYDSL_ARCHS else (BF16,)
 
 
+def supported_weight_formats(arch: str | None) -> tuple[str, ...]:
+    """gfx942: int4 (no FP4 path); gfx950: MXFP4 and int4; elsewhere none."""
+    return weight_formats(arch) if arch in FLYDSL_ARCHS else ()
+
+
 def _runs_on(platform, weight_format):
     if platform.vendor != "rocm" or platform.arch not in FLYDSL_ARCHS:
         return False, f"FlyDSL kernels exist for {FLYDSL_ARCHS} only and this machine is {platform}"
-    return True, ("no FP4 MFMA on gfx942: experts requantised to int4" if weight_format == INT4
-                  else "gfx950 runs MXFP4 weights directly")
+    formats = supported_weight_formats(platform.arch)
+    if weight_format not in formats:
+        return False, f"FlyDSL kernels on {platform.arch} read {' or '.join(formats)} weights, not {weight_format}"
+    if weight_format == MXFP4:
+        return True, f"{platform.arch} runs MXFP4 weights directly"
+    if platform.weight_format == INT4:
+        return True, f"no FP4 MFMA on {platform.arch}: experts requantised to int4"
+    return True, f"int4 weights on {platform.arch} (requantised from MXFP4)"
 
 
 def _act_dtypes(platform, weight_format):

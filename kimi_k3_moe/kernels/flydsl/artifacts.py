@@ -17,7 +17,6 @@ SIMDS_PER_CU = 4
 REGISTERS_PER_LANE = 512   # unified arch VGPR + AGPR file on gfx90a and later
 REGISTER_GRANULE = 8
 
-EXPECTED_MFMA = {"gfx942": "v_mfma_f32_16x16x16_bf16", "gfx950": "v_mfma_f32_16x16x32_bf16"}
 SCALED_MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"   # gfx950, fp8/fp4 activations
 
 
@@ -25,9 +24,9 @@ def expected_mfma(cfg) -> set[str]:
     """The matrix instructions a compiled config must use, and only those."""
     if cfg.stage == 0:            # activation quantization kernel
         return set()
-    if getattr(cfg, "act_dtype", "bf16") != "bf16":
+    if cfg.quantized:
         return {SCALED_MFMA}
-    return {EXPECTED_MFMA[cfg.arch]}
+    return {f"v_mfma_f32_{cfg.mfma}_bf16"}   # the arch's bf16 MFMA (config.MFMA)
 
 _MFMA_RE = re.compile(r"^\s*(v_mfma\w*|v_smfmac\w*)\s", re.M)
 _SCRATCH_RE = re.compile(r"^\s*scratch_(load|store)\w*\s", re.M)

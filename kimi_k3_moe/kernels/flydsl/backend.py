@@ -17,15 +17,14 @@ import torch
 
 from kimi_k3_moe.act_quant import BF16, ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import MXFP4, ExpertWeights, Int4Experts, WeightFormat
+from kimi_k3_moe.experts import ExpertWeights, Int4Experts, WeightFormat
 from kimi_k3_moe.formats import int4, mxfp4
-from kimi_k3_moe.kernels.flydsl import SPEC
+from kimi_k3_moe.kernels.flydsl import SPEC, supported_act_dtypes, supported_weight_formats
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
-from kimi_k3_moe.kernels.flydsl.config import (ACT_DTYPES, BETA_MODES, REDUCTIONS, WEIGHT_FORMATS,
-                                               KernelConfig, QuantConfig, check_arch)
+from kimi_k3_moe.kernels.flydsl.config import BETA_MODES, REDUCTIONS, KernelConfig, QuantConfig, check_arch
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
-from kimi_k3_moe.platform import Platform, detect_platform, is_rocm
+from kimi_k3_moe.platform import detect_platform, for_arch, is_rocm
 
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")
 
@@ -44,21 +43,24 @@ class FlyDSLBackend(MoEBackend):
                  int4_method: str = int4.DEFAULT_METHOD,
                  betas: str = "const", reduce: str = "slots", device: int = 0, act_dtype: str = BF16):
         self.device_index = device
-        self.arch = check_arch(arch) if arch is not None else detect_arch(device)
+        self.arch = arch if arch is not None else detect_arch(device)
         if self.arch is not None:
             check_arch(self.arch)
-        fmt = weight_format or (Platform("rocm", self.arch).weight_format if self.arch else None)
-        if self.arch and fmt not in WEIGHT_FORMATS[self.arch]:
-            raise ValueError(f"flydsl on {self.arch}: weight_format {fmt!r} not in {WEIGHT_FORMATS[self.arch]}")
+        here = for_arch(self.arch)
+        fmt = weight_format or (here.weight_format if self.arch else None)
+        if self.arch and fmt not in supported_weight_formats(self.arch):
+            raise ValueError(f"flydsl on {self.arch}: weight_format {fmt!r} not in "
+                             f"{supported_weight_formats(self.arch)}")
         if betas not in BETA_MODES:
             raise ValueError(f"flydsl: betas {betas!r} not in {BETA_MODES}")
         if reduce not in REDUCTIONS:
             raise ValueError(f"flydsl: reduce {reduce!r} not in {REDUCTIONS}")
         if int4_method not in int4.METHODS:
             raise ValueError(f"flydsl: int4_method {int4_method!r} not in {int4.METHODS}")
-        # refused here, at load: gfx942 has no scaled MFMA (LLVM would abort compiling one)
-        act_dtype = check_supported("flydsl", self.arch, act_dtype, ACT_DTYPES.get(self.arch, (BF16,)))
-        if act_dtype != BF16 and fmt != MXFP4:
+        # refused here, at load, as the spec declares: gfx942 has no scaled MFMA (LLVM would abort
+        # compiling one), and the scaled MFMA reads e2m1 weights
+        act_dtype = check_supported(self.name, self.arch, act_dtype, supported_act_dtypes(self.arch))
+        if act_dtype not in SPEC.act_dtypes(here, fmt):
             raise ValueError(f"flydsl on {self.arch}: act_dtype {act_dtype!r} runs on MXFP4 weights "
                              f"(the scaled MFMA reads e2m1), not {fmt!r}")
         self.act_quant = ActQuant.for_dtype(act_dtype)

@@ -11,16 +11,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from kimi_k3_moe.act_quant import BF16, FP8
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec
-from kimi_k3_moe.kernels.flydsl import layout
-from kimi_k3_moe.platform import FLYDSL_ARCHS, hardware_act_dtypes
+from kimi_k3_moe.experts.format import INT4, MXFP4
+from kimi_k3_moe.kernels.flydsl import layout, supported_act_dtypes, supported_weight_formats
+from kimi_k3_moe.platform import FLYDSL_ARCHS
 
-ARCHS = FLYDSL_ARCHS
-# gfx942 (CDNA3) has no FP4 matrix path or FP4 convert: it reads int4 requantised at load.
-WEIGHT_FORMATS = {"gfx942": ("int4",), "gfx950": ("mxfp4", "int4")}
-# Activation dtypes per arch: fp8/fp4 run on gfx950's scaled MFMA (v_mfma_scale_f32_16x16x128_f8f6f4),
-# which gfx942 lacks (LLVM aborts); they read MXFP4 weights only.
-ACT_DTYPES = {arch: hardware_act_dtypes(arch) for arch in ARCHS}
+# Which weight formats and act dtypes each arch's kernels are built for is the spec's declaration
+# (kimi_k3_moe.kernels.flydsl, from the platform facts): gfx942 int4 and bf16 only (no FP4 path, no
+# scaled MFMA: LLVM aborts); fp8/fp4 activations run on gfx950's scaled MFMA and read MXFP4 weights.
+
 # bf16 MFMA each arch has: gfx950's K=32 form does not exist on gfx942 (LLVM aborts).
 MFMA = {"gfx942": "16x16x16", "gfx950": "16x16x32"}
 ACTIVATIONS = (SILU, SITUV2)
@@ -37,9 +37,9 @@ class UnsupportedArchError(ValueError):
 
 
 def check_arch(arch: str) -> str:
-    if arch not in ARCHS:
+    if arch not in FLYDSL_ARCHS:
         raise UnsupportedArchError(
-            f"FlyDSL MoE kernels exist for {ARCHS} only, not {arch!r} "
+            f"FlyDSL MoE kernels exist for {FLYDSL_ARCHS} only, not {arch!r} "
             "(gfx942 = MI300X/MI325X with int4 weights, gfx950 = MI355X with MXFP4); "
             "use the triton backend there")
     return arch
@@ -67,16 +67,16 @@ class KernelConfig:
     linear_beta: float | None = None    # const situv2 only; None: up passes unchanged
     reduce: str = "slots"               # stage 2: "slots" (deterministic) | "atomic" (fp32 adds)
     split_k: int = 1                    # stage 2 with atomic reduce only
-    act_dtype: str = "bf16"             # "bf16" | "fp8" | "fp4": this stage's input (stage 1 also its output)
+    act_dtype: str = BF16               # "bf16" | "fp8" | "fp4": this stage's input (stage 1 also its output)
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
         if self.stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {self.stage!r}")
-        if self.weight_format not in WEIGHT_FORMATS[self.arch]:
+        if self.weight_format not in supported_weight_formats(self.arch):
             raise ValueError(f"weight_format {self.weight_format!r} is not built for {self.arch}; "
-                             f"choose one of {WEIGHT_FORMATS[self.arch]}")
-        if self.has_offsets and self.weight_format != "int4":
+                             f"choose one of {supported_weight_formats(self.arch)}")
+        if self.has_offsets and self.weight_format != INT4:
             raise ValueError("has_offsets applies to int4 weights only")
         if self.int4_decode not in INT4_DECODES:
             raise ValueError(f"int4_decode {self.int4_decode!r} not in {INT4_DECODES}")
@@ -143,12 +143,12 @@ class KernelConfig:
                              f"(K={self.K}, 128 x kb_unroll {self.kb_unroll})")
 
     def _check_act_dtype(self) -> None:
-        if self.act_dtype not in ACT_DTYPES[self.arch]:
+        if self.act_dtype not in supported_act_dtypes(self.arch):
             raise ValueError(f"act_dtype {self.act_dtype!r} has no kernel on {self.arch} (no scaled MFMA there); "
-                             f"choose one of {ACT_DTYPES[self.arch]}")
-        if self.act_dtype == "bf16":
+                             f"choose one of {supported_act_dtypes(self.arch)}")
+        if self.act_dtype == BF16:
             return
-        if self.weight_format != "mxfp4":
+        if self.weight_format != MXFP4:
             raise ValueError(f"act_dtype {self.act_dtype!r} runs on MXFP4 weights (the scaled MFMA reads e2m1), "
                              f"not {self.weight_format!r}")
         if self.a_lds:
@@ -161,7 +161,7 @@ class KernelConfig:
     # ------------------------------------------------------------------ derived
     @property
     def quantized(self) -> bool:
-        return self.act_dtype != "bf16"
+        return self.act_dtype != BF16
 
     @property
     def BN(self) -> int:
@@ -206,8 +206,8 @@ class KernelConfig:
     def name(self) -> str:
         fmt = self.weight_format + ("ofs" if self.has_offsets else "")
         if self.quantized:
-            fmt += "_a8" if self.act_dtype == "fp8" else "_a4"
-        if self.weight_format == "int4" and self.int4_decode != "shift":
+            fmt += "_a8" if self.act_dtype == FP8 else "_a4"
+        if self.weight_format == INT4 and self.int4_decode != "shift":
             fmt += f"_{self.int4_decode}"
         tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
                 + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else ""))
@@ -246,8 +246,8 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
-        if self.act_dtype not in ACT_DTYPES[self.arch] or self.act_dtype == "bf16":
-            quantized = tuple(a for a in ACT_DTYPES[self.arch] if a != "bf16")
+        if self.act_dtype not in supported_act_dtypes(self.arch) or self.act_dtype == BF16:
+            quantized = tuple(a for a in supported_act_dtypes(self.arch) if a != BF16)
             raise ValueError(f"no activation quantization kernel for {self.act_dtype!r} on {self.arch}; "
                              f"choose one of {quantized or 'none (bf16 only there)'}")
         if self.stage != 0:

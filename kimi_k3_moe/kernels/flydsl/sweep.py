@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kimi_k3_moe.act_quant import BF16, FP8
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.flydsl import tiles
-from kimi_k3_moe.kernels.flydsl.config import ACT_DTYPES, KernelConfig, QuantConfig
+from kimi_k3_moe.experts.format import INT4, MXFP4
+from kimi_k3_moe.kernels.flydsl import supported_act_dtypes, tiles
+from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
+from kimi_k3_moe.platform import FLYDSL_ARCHS, Platform
 
 # Kimi-K3 at TP8: routed experts run at hidden 3584, intermediate 3072/8 per rank, top-16
 K3_HIDDEN = 3584
@@ -18,13 +21,12 @@ K3_INTER_TP8 = 384
 K3_TOP_K = 16
 K3_SITU = ActivationSpec.situv2(4.0, 25.0)
 OTHER_SITU = ActivationSpec.situv2(2.0, 1.5)   # a second beta pair: must never share a kernel with K3's
-FORMAT = {"gfx942": "int4", "gfx950": "mxfp4"}
 
 
-def ci_configs(archs=("gfx942", "gfx950")) -> list[KernelConfig | QuantConfig]:
+def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
     out: dict[KernelConfig | QuantConfig, None] = {}
     for arch in archs:
-        fmt = FORMAT[arch]
+        fmt = Platform("rocm", arch).weight_format   # the format the plan serves there
         shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
         for cfg in tiles.sweep_configs(arch, fmt, activations=[ActivationSpec.silu(), K3_SITU], **shape):
             out.setdefault(cfg)
@@ -34,7 +36,7 @@ def ci_configs(archs=("gfx942", "gfx950")) -> list[KernelConfig | QuantConfig]:
             s1.with_activation(OTHER_SITU),
             replace(s2, reduce="atomic", split_k=3),
         ]
-        if fmt == "int4":
+        if fmt == INT4:
             extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True),
                        replace(s1, int4_decode="cvt_off")]
         for cfg in extras:
@@ -48,15 +50,15 @@ def quantized_configs(arch: str) -> list[KernelConfig | QuantConfig]:
     """fp8/fp4 activations (gfx950 only): quantizer, every tier's stages, and the variants."""
     shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
     out: dict[KernelConfig | QuantConfig, None] = {}
-    for act in ACT_DTYPES[arch]:
-        if act == "bf16":
+    for act in supported_act_dtypes(arch):
+        if act == BF16:
             continue
         out.setdefault(QuantConfig(arch, act))
-        for cfg in tiles.sweep_configs(arch, "mxfp4", activations=[K3_SITU], act_dtype=act, **shape):
+        for cfg in tiles.sweep_configs(arch, MXFP4, activations=[K3_SITU], act_dtype=act, **shape):
             out.setdefault(cfg)
-        s1, s2 = tiles.stage_configs(arch, "mxfp4", num_tokens=1, activation=K3_SITU, act_dtype=act, **shape)
+        s1, s2 = tiles.stage_configs(arch, MXFP4, num_tokens=1, activation=K3_SITU, act_dtype=act, **shape)
         out.setdefault(s1.with_activation(ActivationSpec.silu()))
-        if act == "fp8":
+        if act == FP8:
             out.setdefault(s1.with_activation(OTHER_SITU))
         else:
             out.setdefault(replace(s2, reduce="atomic", split_k=3))
