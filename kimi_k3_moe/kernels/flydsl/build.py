@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.kernels.flydsl import artifacts
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
 from kimi_k3_moe.kernels.flydsl.toolchain import compile_env
@@ -41,7 +42,7 @@ def placeholder_args(cfg: KernelConfig | QuantConfig) -> tuple:
     u8, bf16, i32, f32 = torch.uint8, torch.bfloat16, torch.int32, torch.float32
     if isinstance(cfg, QuantConfig):
         return torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=u8), torch.zeros(4, dtype=u8), 2
-    scale_dtype = bf16 if cfg.weight_format == "int4" else u8
+    scale_dtype = bf16 if cfg.weight_format == INT4 else u8
     act_dtype = u8 if cfg.quantized else bf16
     if cfg.stage == 2:
         y_dtype = f32 if cfg.reduce == "atomic" else bf16

@@ -32,6 +32,8 @@ import functools
 
 import torch
 
+from kimi_k3_moe.act_quant import FP4, FP8
+from kimi_k3_moe.experts.format import INT4, MXFP4
 from kimi_k3_moe.formats import fp8, mxfp4
 from kimi_k3_moe.kernels.flydsl import layout as L
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
@@ -130,7 +132,7 @@ def _cvt_scalef32_pk_bf16_fp4(word: torch.Tensor, scale: torch.Tensor, sel: int)
 
 def _dequant8(cfg: KernelConfig, word: torch.Tensor, scale: torch.Tensor, offset) -> torch.Tensor:
     """[64] dwords + [64] scales (+ offsets) -> [64, 8] bf16 weights as fp32 (element t = bits 4t..)."""
-    if cfg.weight_format == "mxfp4":
+    if cfg.weight_format == MXFP4:
         return torch.cat([_cvt_scalef32_pk_bf16_fp4(word, scale, sel) for sel in range(4)], dim=1)
     if cfg.int4_decode == "cvt_off":
         s = scale * L.INT4_CVT_SCALE
@@ -181,7 +183,7 @@ class TorchOps:
 def _abi_k(fmt: str, g: int) -> list[int]:
     """Logical k (0..127) of value v = 0..31 of a lane in group g, per the scaled MFMA's operand ABI:
     e2m1 32 consecutive k; e4m3 two runs of 16, 64 apart (AMD CDNA4 matrix-core guide, FlyDSL mxfp_moe)."""
-    if fmt == "fp4":
+    if fmt == FP4:
         return [32 * g + v for v in range(32)]
     return [16 * g + v if v < 16 else 64 + 16 * g + (v - 16) for v in range(32)]
 
@@ -194,7 +196,7 @@ def _abi_k_table(fmt: str) -> torch.Tensor:
 
 def _operand_values(fmt: str, regs: torch.Tensor) -> torch.Tensor:
     """[64, 16 | 32] register bytes -> [64, 32] element values (e2m1 low nibble first, or e4m3 bytes)."""
-    if fmt == "fp4":
+    if fmt == FP4:
         return mxfp4.e2m1_table()[mxfp4.unpack_nibbles(regs).long()]
     return fp8.decode(regs)
 
@@ -269,7 +271,7 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
         per_token = cfg.top_k * N * 2 if cfg.reduce == "slots" else N * 4
         out = _Buffer(Y, "SLOTS" if cfg.reduce == "slots" else "ACC", records=num_tokens * per_token)
     act = (act, act_s)
-    s_bytes = 2 if cfg.weight_format == "int4" else 1
+    s_bytes = 2 if cfg.weight_format == INT4 else 1
     for bid_m in range(num_rows // cfg.BM):
         expert = int(BE[bid_m])
         if expert < 0:
@@ -342,7 +344,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                 for row in w_rows:
                     gi = L.group_index(row, kb, g, K)
                     wq.append(_words(rw.load(L.w_byte_offset(row, kb, g, K), 16)))
-                    if cfg.weight_format == "int4":
+                    if cfg.weight_format == INT4:
                         sc.append(_bf16_scalar(rs.load(gi * 2, 2)))
                     else:
                         b = rs.load(gi, 1)[:, 0].int()
@@ -371,7 +373,7 @@ def _scaled_block(cfg, accs, rw, rs, act, act_s, w_rows, a_rows, kb, g, m_rep):
     K = cfg.K
     xs, xsc = [], []
     for mi in range(m_rep):
-        halves = (0,) if cfg.act_dtype == "fp4" else (0, 1)
+        halves = (0,) if cfg.act_dtype == FP4 else (0, 1)
         xs.append(torch.cat([act.load(L.qact_byte_offset(a_rows[mi], kb, g, h, K, cfg.act_dtype), 16)
                              for h in halves], dim=1))
         xsc.append(act_s.load(L.act_scale_index(a_rows[mi], kb, g, K), 1)[:, 0])
@@ -380,7 +382,7 @@ def _scaled_block(cfg, accs, rw, rs, act, act_s, w_rows, a_rows, kb, g, m_rep):
         wsc = rs.load(L.group_index(row, kb, g, K), 1)[:, 0]
         for mi in range(m_rep):
             a = wi * m_rep + mi
-            accs[a] = _mfma_scale(accs[a], w16, "fp4", wsc, xs[mi], cfg.act_dtype, xsc[mi])
+            accs[a] = _mfma_scale(accs[a], w16, FP4, wsc, xs[mi], cfg.act_dtype, xsc[mi])
 
 
 def _quantize_rows(values: torch.Tensor, act_dtype: str, amax_bits: torch.Tensor | None = None):
@@ -394,7 +396,7 @@ def _quantize_rows(values: torch.Tensor, act_dtype: str, amax_bits: torch.Tensor
 
 def _pack(codes: torch.Tensor, act_dtype: str) -> torch.Tensor:
     """[L, n] codes -> [L, n or n/2] bytes, element 0 first (low nibble first for e2m1)."""
-    if act_dtype == "fp8":
+    if act_dtype == FP8:
         return (codes & 0xFF).to(torch.uint8)
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
 

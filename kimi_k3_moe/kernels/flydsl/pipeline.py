@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from kimi_k3_moe.act_quant import BF16
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.flydsl import tiles
 from kimi_k3_moe.kernels.flydsl.align import align_tokens
@@ -77,7 +78,7 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
                 arch: str, launch: Launch, betas: str = "const", reduce: str = "slots",
                 chunk_tokens: int | None = None, table: dict | None = None,
                 configs: tuple[KernelConfig, KernelConfig] | None = None,
-                act_dtype: str = "bf16") -> torch.Tensor:
+                act_dtype: str = BF16) -> torch.Tensor:
     """[T, H] -> [T, H] in hidden's dtype: this rank's sum over its experts.
 
     `configs` pins the (stage 1, stage 2) kernels instead of the tile table's choice
@@ -103,7 +104,7 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     w13, s13, o13 = experts.kernel_args("w13")
     w2, s2, o2 = experts.kernel_args("w2")
     step = min(chunk_tokens or T, max_chunk_tokens(H, I, k, E))
-    quantized = act_dtype != "bf16"
+    quantized = act_dtype != BF16
     for start in range(0, T, step):
         stop = min(T, start + step)
         n = stop - start

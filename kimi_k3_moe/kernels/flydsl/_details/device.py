@@ -8,6 +8,8 @@ import flydsl.expr as fx
 from flydsl.expr import rocdl
 from flydsl.expr.typing import T
 
+from kimi_k3_moe.act_quant import FP4
+from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.kernels.flydsl import layout as L
 
 
@@ -67,7 +69,7 @@ def select(cond, a, b):
 # --------------------------------------------------------------------- scales
 def load_scale(cfg, s_res, gi):
     """Group scale as f32: bf16 (int4) or e8m0 byte (MXFP4), element gi of one expert."""
-    if cfg.weight_format == "int4":
+    if cfg.weight_format == INT4:
         return fx.BFloat16(load(s_res, gi * 2, T.bf16)).to(fx.Float32)
     b = fx.Uint8(load(s_res, gi, T.i8)).to(fx.Int32)     # zero-extended byte
     return L.e8m0_f32_bits(b).bitcast(fx.Float32)
@@ -111,7 +113,7 @@ def _to_bf16x8(cfg, vals):
 
 def dequant8(cfg, word, scale, offset):
     """One dword of 8 packed 4-bit codes + its group's scale (and offset) -> v8bf16 MFMA fragment."""
-    if cfg.weight_format == "int4":
+    if cfg.weight_format == INT4:
         return _to_bf16x8(cfg, _int4_values(cfg, word, scale, offset))
     # gfx950: v_cvt_scalef32_pk_bf16_fp4, byte selector j -> (low nibble, high nibble) = elements 2j, 2j+1
     parts = []
@@ -184,7 +186,7 @@ def load_u8(res, byte_off):
 def load_qact(cfg, res, row, kb, g):
     """The B operand of the scaled MFMA for one activation row: v4i32 (e2m1) or v8i32 (e4m3)."""
     lo = load_v4i32(res, L.qact_byte_offset(row, kb, g, 0, cfg.K, cfg.act_dtype))
-    if cfg.act_dtype == "fp4":
+    if cfg.act_dtype == FP4:
         return lo
     hi = load_v4i32(res, L.qact_byte_offset(row, kb, g, 1, cfg.K, cfg.act_dtype))
     return lo.shuffle(hi, list(range(8)))
@@ -193,7 +195,7 @@ def load_qact(cfg, res, row, kb, g):
 def mma_scaled(cfg, acc, w4, w_scale, x, x_scale):
     """acc (v4f32) += one K128 block: 16 e2m1 weight rows (A, scale per lane) x 16 activation rows (B)."""
     return fx.Vector(rocdl.mfma_scale_f32_16x16x128_f8f6f4(
-        T.vec(4, T.f32), [w4, x, acc, L.MFMA_FMT["fp4"], L.MFMA_FMT[cfg.act_dtype], 0, w_scale, 0, x_scale]))
+        T.vec(4, T.f32), [w4, x, acc, L.MFMA_FMT[FP4], L.MFMA_FMT[cfg.act_dtype], 0, w_scale, 0, x_scale]))
 
 
 def imax(a, b):

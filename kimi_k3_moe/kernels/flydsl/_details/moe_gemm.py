@@ -24,6 +24,7 @@ import flydsl.expr as fx
 from flydsl.expr import gpu, range_constexpr, rocdl
 from flydsl.expr.typing import T
 
+from kimi_k3_moe.act_quant import FP8
 from kimi_k3_moe.kernels.flydsl import layout as L
 from kimi_k3_moe.kernels.flydsl._details import device as D
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig
@@ -190,7 +191,7 @@ def _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_
             for j, n0 in enumerate(n0s):
                 word = D.pack_codes(codes[4 * j:4 * j + 4], act)[0]
                 off = L.qinter_byte_offset(p_rows[mi], n0 + g * 4, N, act)
-                if act == "fp8":
+                if act == FP8:
                     D.store(word, ry, off)
                 else:
                     D.store_u16(word, ry, off)
