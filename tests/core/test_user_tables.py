@@ -60,6 +60,8 @@ def rewrite(path, **changes):
     ("tiers", "lacks token tiers [4]"),
     ("schema", "not a kimi-k3-moe user table"),
     ("config", "invalid config"),
+    ("tier_name", "invalid token tier"),  # these two raised ValueError/AttributeError out of the lookup
+    ("device_not_object", "device 'NVIDIA H200' is not a JSON object"),
 ])
 def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, damage, message):
     path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries())
@@ -73,6 +75,13 @@ def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, da
         rewrite(path, drop_tier="4")
     elif damage == "schema":
         rewrite(path, schema="something-else")
+    elif damage == "tier_name":
+        table = json.loads(path.read_text())
+        tiers = next(iter(table["entries"].values()))["tiers"]
+        tiers["four"] = tiers.pop("4")
+        path.write_text(json.dumps(table))
+    elif damage == "device_not_object":
+        rewrite(path, device="NVIDIA H200")
     else:
         table = json.loads(path.read_text())
         next(iter(table["entries"].values()))["tiers"]["1"]["stage1"]["block_k"] = 96
