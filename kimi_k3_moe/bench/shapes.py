@@ -46,6 +46,8 @@ def parse_shape(text: str) -> Shape:
     if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"--shape {text!r}: expected one of {sorted(NAMED)} or H,I,E,K (four integers)")
     h, i, e, k = (int(p) for p in parts)
+    if not (h and i and e):
+        raise ValueError(f"--shape {text!r}: H, I and E must be positive")
     if h % 32 or i % 32:
         raise ValueError(f"--shape {text!r}: H ({h}) and I ({i}) must be multiples of the MXFP4 block 32")
     if not 0 < k <= e:
