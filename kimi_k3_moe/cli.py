@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show the traceback of an error")
         module.add_arguments(command)
-        command.set_defaults(_module=module)
+        command.set_defaults(_module=module, _parser=command)
     return parser
 
 
@@ -97,7 +97,9 @@ def one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # argparse would report them as the top command's, without the subcommand's name
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     prog = f"kimi-k3-moe {args.command}"

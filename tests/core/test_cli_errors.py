@@ -103,6 +103,12 @@ def test_doctor_validates_settings_and_arguments():
     one_line_error(cli("doctor", "--config-only"), "doctor", "--config-only needs --model")
 
 
+def test_an_unknown_argument_is_reported_by_its_command():
+    # argparse's own message named the top command: `kimi-k3-moe: error: unrecognized arguments: ...`
+    one_line_error(cli("demo", "--model", "x"), "demo", "unrecognized arguments: --model x")
+    one_line_error(cli("-v", "doctor", "--frob"), "doctor", "unrecognized arguments: --frob")
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("activation_situ_beta", 0, "beta (activation_situ_beta) must be finite and > 0, got 0"),
     ("activation_situ_beta", "4.0", "beta (activation_situ_beta) must be a number, got '4.0'"),
