@@ -56,6 +56,17 @@ def path(name: str, env: Mapping[str, str] | None = None) -> str | None:
     return value
 
 
+def folder_to_create(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A folder setting a command may create (KIMI_K3_MOE_TABLES): None when unset; if something
+    exists there it must be a folder."""
+    value = (os.environ if env is None else env).get(name, "").strip()
+    if not value:
+        return None
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise SettingError(f"{name}={value} exists and is not a folder")
+    return value
+
+
 def check_all(env: Mapping[str, str] | None = None) -> list[str]:
     """One message per invalid setting (for `doctor`)."""
     problems = []
@@ -64,8 +75,9 @@ def check_all(env: Mapping[str, str] | None = None) -> list[str]:
             choice(name, env)
         except SettingError as exc:
             problems.append(str(exc))
-    try:
-        path(CONVERTED, env)
-    except SettingError as exc:
-        problems.append(str(exc))
+    for check, name in ((path, CONVERTED), (folder_to_create, TABLES)):
+        try:
+            check(name, env)
+        except SettingError as exc:
+            problems.append(str(exc))
     return problems

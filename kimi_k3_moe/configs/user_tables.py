@@ -34,8 +34,9 @@ class UserTableError(ValueError):
 
 def table_dir(env=None) -> Path:
     env = os.environ if env is None else env
-    if env.get(ENV_DIR):
-        return Path(env[ENV_DIR])
+    chosen = settings.folder_to_create(ENV_DIR, env)
+    if chosen:
+        return Path(chosen)
     cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "kimi-k3-moe" / "tables"
 

@@ -124,3 +124,14 @@ def test_doctor_and_the_plugin_log_line_name_the_serving_table(tables):
     assert common._table_line("triton[mxfp4]").startswith(f"user table {path}")
     assert doctor._tables_line("triton").startswith(f"tiles: user table {path}")
     assert common._table_line("torch[mxfp4]") is None  # its log line stays as it was
+
+
+def test_a_tables_setting_that_names_a_file_is_refused_and_doctor_lists_it(tmp_path):
+    from kimi_k3_moe import settings
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    env = {"KIMI_K3_MOE_TABLES": str(a_file)}
+    with pytest.raises(settings.SettingError, match=f"KIMI_K3_MOE_TABLES={a_file} exists and is not a folder"):
+        user_tables.table_dir(env)
+    assert settings.check_all(env) == [f"KIMI_K3_MOE_TABLES={a_file} exists and is not a folder"]
+    assert user_tables.table_dir({"KIMI_K3_MOE_TABLES": str(tmp_path / "new")}) == tmp_path / "new"  # tune creates it
