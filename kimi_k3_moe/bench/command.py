@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kimi_k3_moe.bench.shapes import add_shape_arguments
 from kimi_k3_moe.cli import count_list, non_negative_int, positive_int
 
 HELP = ("time every backend that runs here and the engine's own Kimi-K3 path (Humming on Hopper, aiter on "
@@ -12,10 +13,7 @@ DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,16384"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--model", help="model folder or config.json: its per-rank shape and betas (with --tp)")
-    where.add_argument("--shape", default="tp8", help="tp8 | tp16 | ep16 | H,I,E,K (default tp8)")
-    parser.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size for --model")
+    add_shape_arguments(parser)
     parser.add_argument("--tokens", default=DEFAULT_TOKENS,
                         help="comma list of token counts (>= 1)")
     parser.add_argument("--json", dest="json_out", help="write the full result here")

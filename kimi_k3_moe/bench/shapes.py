@@ -68,6 +68,15 @@ def model_activation(path: str):
     return K3MoEConfig.from_hf_config(path).activation
 
 
+def add_shape_arguments(parser) -> None:
+    """`--model`/`--shape` and `--tp`, read back by `shape_and_activation` (bench and tune)."""
+    from kimi_k3_moe.cli import positive_int
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--model", help="model folder or config.json: its per-rank shape and betas (with --tp)")
+    where.add_argument("--shape", default="tp8", help="tp8 | tp16 | ep16 | H,I,E,K (default tp8)")
+    parser.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size for --model")
+
+
 def shape_and_activation(model: str | None, shape: str, tp: int):
     """What `--model`/`--shape` ask for: the model's per-rank shape and its own activation, or a named
     shape with Kimi-K3's published SiTUv2 betas (4, 25)."""

@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from kimi_k3_moe.bench.shapes import add_shape_arguments
 from kimi_k3_moe.cli import count_list, positive_float, positive_int
 
 HELP = ("tune the kernels' tiles on this GPU for one per-rank shape (each candidate checked against the "
@@ -14,10 +15,7 @@ HELP = ("tune the kernels' tiles on this GPU for one per-rank shape (each candid
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("triton", "flydsl"), default=None,
                         help="default: flydsl on AMD, triton on NVIDIA")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--model", help="model folder or config.json: its per-rank shape and betas (with --tp)")
-    where.add_argument("--shape", default="tp8", help="tp8 | tp16 | ep16 | H,I,E,K (default tp8)")
-    parser.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size for --model")
+    add_shape_arguments(parser)
     parser.add_argument("--format", dest="weight_format", choices=("mxfp4", "int4"), default="mxfp4",
                         help="triton: the weight format to tune (default mxfp4)")
     parser.add_argument("--tiers", default=None,
