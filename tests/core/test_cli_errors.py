@@ -146,6 +146,18 @@ def test_convert_refuses_bad_arguments(model, tmp_path):
     one_line_error(cli(*base, "--out", existing), "convert", f"--out {existing} is an existing file")
 
 
+def test_convert_verify_refuses_a_folder_converted_with_other_options(model, tmp_path):
+    out = tmp_path / "out"
+    base = ("convert", "--model", model, "--target", "gfx942", "--out", out, "--no-progress")
+    assert cli(*base).returncode == 0
+    # this said "OK" for a TP 1 folder, which a TP 2 server then refuses
+    one_line_error(cli(*base, "--verify", "--tp", "2", "--method", "asym"), "convert",
+                   f"--out {out} holds a conversion made with --tp 1, --method search, not --tp 2, --method asym")
+    one_line_error(cli(*base, "--verify", "--layers", "2"), "convert", "made with --layers [1], not --layers [2]")
+    ok = cli(*base, "--verify")
+    assert ok.returncode == 0 and "OK: 1 file(s)" in ok.stdout, ok.stdout + ok.stderr
+
+
 @pytest.mark.parametrize("variable, value, allowed", [
     ("KIMI_K3_MOE_BACKEND", "cuda", "choose one of torch, triton, flydsl"),
     ("KIMI_K3_MOE_ACT_DTYPE", "fp16", "choose one of bf16, fp8, fp4"),
