@@ -156,3 +156,17 @@ def test_bench_and_tune_numbers_are_range_checked_before_any_gpu_work(capsys):
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and words in err, (argv, err)
         assert err.startswith(f"kimi-k3-moe {argv[0]}: error: "), err
+
+
+def test_a_typo_in_ours_is_a_usage_error_not_a_row_saying_not_available(capsys):
+    from kimi_k3_moe.cli import main
+    for bad in ("trtion", "triton:fp3", "torch:mxfp4:fp9", "torch:mxfp4:fp8:x"):
+        try:
+            make_ours(bad)
+        except ValueError as exc:
+            assert f"--ours {bad!r}" in str(exc) and "flydsl, triton, torch" in str(exc)
+        else:
+            raise AssertionError(bad)
+    assert make_ours("torch:int4:fp8").probe()[0]
+    assert main(["bench", "--shape", "tiny", "--ours", "torch,trtion"]) == 2
+    assert "--ours 'trtion'" in capsys.readouterr().err
