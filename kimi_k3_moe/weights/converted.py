@@ -401,7 +401,7 @@ def convert_checkpoint(
                                        f"own, e.g. {model_dir / CONVERTED_DIRNAME}")
     cfg = _model_config(model_dir)
     cfg.intermediate_per_rank(tp_size)  # refuses a TP size that does not split I into MXFP4 blocks
-    all_layers = cfg.moe_layers()
+    all_layers = cfg.require_moe_layers()
     layers = all_layers if layers is None else sorted(set(layers))
     outside = [layer for layer in layers if layer not in all_layers]
     if outside:

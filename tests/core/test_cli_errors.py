@@ -103,6 +103,17 @@ def test_doctor_validates_settings_and_arguments():
     one_line_error(cli("doctor", "--config-only"), "doctor", "--config-only needs --model")
 
 
+def test_doctor_and_convert_refuse_a_model_without_moe_layers(model, tmp_path):
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["text_config"]["first_k_dense_replace"] = 5
+    (model / "config.json").write_text(json.dumps(cfg))
+    needle = "no MoE layers: first_k_dense_replace 5 >= num_hidden_layers 2, so every layer is dense"
+    (problem,) = doctor_problems(cli("doctor", "--model", model, "--no-progress"))  # it said OK
+    assert needle in problem
+    one_line_error(cli("convert", "--model", model, "--out", tmp_path / "out", "--target", "gfx942", "--layers", "1"),
+                   "convert", needle)
+
+
 def test_an_unknown_argument_is_reported_by_its_command():
     # argparse's own message named the top command: `kimi-k3-moe: error: unrecognized arguments: ...`
     one_line_error(cli("demo", "--model", "x"), "demo", "unrecognized arguments: --model x")
@@ -114,6 +125,8 @@ def test_an_unknown_argument_is_reported_by_its_command():
     ("activation_situ_beta", "4.0", "beta (activation_situ_beta) must be a number, got '4.0'"),
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
     ("num_expert_group", 0, "'num_expert_group' must be an integer >= 1, got 0"),
+    # every layer dense: converted 0 layers and said so, or an IndexError with --layers
+    ("first_k_dense_replace", 2, "no MoE layers: first_k_dense_replace 2 >= num_hidden_layers 2"),
 ])
 def test_convert_refuses_bad_config_values(model, tmp_path, field, value, needle):
     cfg = json.loads((model / "config.json").read_text())
