@@ -157,6 +157,9 @@ def test_convert_refuses_bad_arguments(model, tmp_path):
     existing = tmp_path / "a-file"
     existing.write_text("")
     one_line_error(cli(*base, "--out", existing), "convert", f"--out {existing} is an existing file")
+    # an --out that cannot be created is named (it was a bare "[Errno 20] Not a directory: ...")
+    one_line_error(cli(*base, "--out", existing / "sub"), "convert", f"--out {existing / 'sub'} cannot be created")
+    one_line_error(cli("demo", "--out", existing / "sub"), "demo", f"--out {existing / 'sub'} cannot be written")
 
 
 def test_convert_verify_refuses_a_folder_converted_with_other_options(model, tmp_path):
