@@ -170,3 +170,13 @@ def test_a_typo_in_ours_is_a_usage_error_not_a_row_saying_not_available(capsys):
     assert make_ours("torch:int4:fp8").probe()[0]
     assert main(["bench", "--shape", "tiny", "--ours", "torch,trtion"]) == 2
     assert "--ours 'trtion'" in capsys.readouterr().err
+
+
+def test_a_non_finite_reference_never_passes(gen):
+    from kimi_k3_moe.bench.check import judge
+    out = torch.randn(4, 8, generator=gen)
+    ref = out.clone()
+    ref[1, 2] = float("nan")  # rel L2 is NaN, and NaN > bound is False: this passed
+    verdict = judge(out, ref)
+    assert not verdict.ok and "rel L2 nan" in verdict.why
+    assert judge(out, out.clone()).ok
