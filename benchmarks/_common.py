@@ -7,7 +7,6 @@ Run the scripts from the repository root (`python benchmarks/<script>.py`).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,9 +20,7 @@ import torch  # noqa: E402
 
 from kimi_k3_moe.bench.data import random_experts, random_hidden, random_routing  # noqa: E402,F401
 from kimi_k3_moe.bench.shapes import K3_TOPK  # noqa: E402,F401
-from kimi_k3_moe.bench.timing import (L2_FLUSH_BYTES, GraphTimer, bf16_matmul_tflops,  # noqa: E402,F401
-                                      copy_bandwidth_gbps, fp8_matmul_tflops, moe_flops,
-                                      mxfp4_bytes_per_expert)
+from kimi_k3_moe.bench.timing import GraphTimer, copy_bandwidth_gbps, mxfp4_bytes_per_expert  # noqa: E402,F401
 
 SHAPES = {  # per-rank MoE shapes of Kimi-K3 (K3_FACTS 1)
     "tp8": dict(num_experts=896, hidden=3584, inter=384),

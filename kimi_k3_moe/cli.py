@@ -48,6 +48,27 @@ positive_int = _int_in(1, "a positive integer (>= 1)")
 non_negative_int = _int_in(0, "a non-negative integer (>= 0)")
 
 
+def count_list(text: str, option: str) -> list[int]:
+    """'1,4,16' given to `option`: a comma list of integers >= 1 (token counts, tiers), else ValueError."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected a comma list of integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{option} {text!r}: every value must be >= 1")
+    return values
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):  # NaN and inf too
+        raise argparse.ArgumentTypeError(f"{text} is not a positive finite number")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kimi-k3-moe", description="Kimi-K3 routed-expert MoE kernels")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -59,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="show the traceback of an error")
         module.add_arguments(command)
-        command.set_defaults(_module=module)
+        command.set_defaults(_module=module, _parser=command)
     return parser
 
 
@@ -76,7 +97,9 @@ def one_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # argparse would report them as the top command's, without the subcommand's name
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     prog = f"kimi-k3-moe {args.command}"

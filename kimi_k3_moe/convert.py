@@ -15,8 +15,8 @@ from pathlib import Path
 from kimi_k3_moe import settings
 from kimi_k3_moe.cli import positive_int
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, TARGETS, convert_checkpoint,
-                                           open_converted, verify_sources)
+from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, TARGETS, ConvertedCheckpointError,
+                                           convert_checkpoint, open_converted, verify_sources)
 
 HELP = "convert a Kimi-K3 MXFP4 checkpoint's experts to int4 once, for gfx942 servers to load directly"
 
@@ -94,6 +94,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     checkpoint = open_converted(args.out)
+    record = checkpoint.record
+    asked = {"--tp": args.tp, "--method": args.method, "--target": args.target}
+    held = {"--tp": record.get("tp_size"), "--method": record.get("method"), "--target": record.get("target")}
+    if args.layers is not None:
+        asked["--layers"], held["--layers"] = sorted(set(args.layers)), checkpoint.layers
+    differ = [k for k in asked if asked[k] != held[k]]
+    if differ:  # else a TP 1 folder would pass `--verify --tp 8`, and the TP 8 server then refuses it
+        raise ConvertedCheckpointError(
+            f"--out {args.out} holds a conversion made with " + ", ".join(f"{k} {held[k]}" for k in differ)
+            + ", not " + ", ".join(f"{k} {asked[k]}" for k in differ) + " as asked; verify with the options "
+            "it was made with, or convert again")
     checkpoint.check_source(args.model)
     changed = verify_sources(checkpoint, args.model, progress=not args.no_progress)
     if changed:

@@ -50,8 +50,11 @@ def run(args: argparse.Namespace) -> int:
         if out.is_dir() and any(out.iterdir()) and not (out / DEMO_MARKER).is_file():
             raise ValueError(f"--out {out} is a non-empty folder that no demo wrote; the demo would overwrite "
                              "its config.json and model.safetensors: name an empty or new folder")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / DEMO_MARKER).write_text("written by `kimi-k3-moe demo`; it may overwrite this folder\n")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / DEMO_MARKER).write_text("written by `kimi-k3-moe demo`; it may overwrite this folder\n")
+        except OSError as exc:
+            raise ValueError(f"--out {out} cannot be written: {exc.strerror or exc}") from None
         return _run(out, args)
     with tempfile.TemporaryDirectory(prefix="kimi-k3-moe-demo-") as tmp:
         return _run(Path(tmp), args)

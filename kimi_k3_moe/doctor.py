@@ -129,6 +129,7 @@ def _check_model(model: str, tp: int, *, weights: bool, progress: bool) -> list[
     try:
         cfg = K3MoEConfig.from_hf_config(model)
         per_rank = cfg.intermediate_per_rank(tp)
+        cfg.require_moe_layers()
     except (ConfigError, ValueError) as exc:
         return [f"model config {model}: {exc}"]
     print(f"model: {model} ({cfg.model_type or 'unknown type'})")

@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimi_k3_moe import settings
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
@@ -65,6 +66,8 @@ def load_backend(plan: list, experts: Any = None, activation: ActivationSpec | N
     them, a configuration error stops the load. In "strict" self-check mode a
     failed self-check raises, in "fallback" it is logged and the next choice tried.
     """
+    if self_check not in settings.SELF_CHECK_MODES:  # a typo ("of") would have meant "fallback"
+        raise ValueError(f"self_check={self_check!r}; choose one of {', '.join(settings.SELF_CHECK_MODES)}")
     checks = checks if checks is not None else SelfCheckCache()
     refusable = (BackendUnavailable, SelfCheckFailed) + ((ValueError,) if experts is None else ())
     refusals: list[str] = []

@@ -15,6 +15,7 @@ SELF_CHECK = "KIMI_K3_MOE_SELF_CHECK"
 CONVERTED = "KIMI_K3_MOE_CONVERTED"
 VALIDATE_WEIGHTS = "KIMI_K3_MOE_VALIDATE_WEIGHTS"
 TABLES = "KIMI_K3_MOE_TABLES"  # a folder `tune` creates if needed (configs/user_tables.py reads it)
+GSM8K_DIR = "KIMI_K3_MOE_GSM8K_DIR"  # `gsm8k --data-dir`'s default; gsm8k/data.py checks the folder
 
 BACKENDS = ("torch", "triton", "flydsl")
 ACT_DTYPES = ("bf16", "fp8", "fp4")
@@ -56,6 +57,17 @@ def path(name: str, env: Mapping[str, str] | None = None) -> str | None:
     return value
 
 
+def folder_to_create(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A folder setting a command may create (KIMI_K3_MOE_TABLES): None when unset; if something
+    exists there it must be a folder."""
+    value = (os.environ if env is None else env).get(name, "").strip()
+    if not value:
+        return None
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise SettingError(f"{name}={value} exists and is not a folder")
+    return value
+
+
 def check_all(env: Mapping[str, str] | None = None) -> list[str]:
     """One message per invalid setting (for `doctor`)."""
     problems = []
@@ -64,8 +76,9 @@ def check_all(env: Mapping[str, str] | None = None) -> list[str]:
             choice(name, env)
         except SettingError as exc:
             problems.append(str(exc))
-    try:
-        path(CONVERTED, env)
-    except SettingError as exc:
-        problems.append(str(exc))
+    for check, name in ((path, CONVERTED), (folder_to_create, TABLES)):
+        try:
+            check(name, env)
+        except SettingError as exc:
+            problems.append(str(exc))
     return problems

@@ -26,7 +26,7 @@ def judge(out: torch.Tensor, ref: torch.Tensor, silu_ref: torch.Tensor | None = 
     if not torch.isfinite(out).all():
         return Verdict(False, float("nan"), "output has NaN/Inf")
     err = relative_l2(out.float(), ref.float())
-    if err > bound:
+    if not err <= bound:  # NaN too (a non-finite reference): never a pass
         why = f"rel L2 {err:.2e} > {bound:.2g}"
         if silu_ref is not None and relative_l2(out.float(), silu_ref.float()) <= bound:
             why += " (it matches SiLU: the activation was ignored)"

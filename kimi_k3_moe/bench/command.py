@@ -4,34 +4,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kimi_k3_moe.bench.shapes import add_shape_arguments
+from kimi_k3_moe.cli import count_list, non_negative_int, positive_int
+
 HELP = ("time every backend that runs here and the engine's own Kimi-K3 path (Humming on Hopper, aiter on "
         "ROCm) at one per-rank shape; each row is checked against the float reference before it is timed")
 DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,16384"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--model", help="model folder or config.json: its per-rank shape and betas (with --tp)")
-    where.add_argument("--shape", default="tp8", help="tp8 | tp16 | ep16 | H,I,E,K (default tp8)")
-    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel size for --model")
-    parser.add_argument("--tokens", default=DEFAULT_TOKENS, help="comma list of token counts")
+    add_shape_arguments(parser)
+    parser.add_argument("--tokens", default=DEFAULT_TOKENS,
+                        help="comma list of token counts (>= 1)")
     parser.add_argument("--json", dest="json_out", help="write the full result here")
     parser.add_argument("--ours", default="auto", help="our rows, e.g. triton,triton:int4,flydsl (auto: this platform's)")
     parser.add_argument("--peers", default="humming,aiter,triton_kernels,torch",
                         help="peer rows (those that cannot run here say why)")
     parser.add_argument("--peer-path", default=".peer", help="folder holding the triton_kernels package")
-    parser.add_argument("--reps", type=int, default=25, help="graph replays per figure (median)")
-    parser.add_argument("--seed", type=int, default=None, help="data seed (default: fresh)")
-
-
-def parse_tokens(text: str) -> list[int]:
-    try:
-        tokens = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"--tokens {text!r}: expected a comma list of integers") from None
-    if not tokens or min(tokens) < 1:
-        raise ValueError(f"--tokens {text!r}: token counts must be >= 1")
-    return tokens
+    parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
+    parser.add_argument("--seed", type=non_negative_int, default=None, help="data seed (default: fresh)")
 
 
 def default_ours() -> list[str]:
@@ -50,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from kimi_k3_moe.bench.runner import run_bench
     from kimi_k3_moe.bench.shapes import require_gpu, shape_and_activation
     from kimi_k3_moe.bench.timing import GraphTimer, bf16_matmul_tflops, copy_bandwidth_gbps
-    tokens = parse_tokens(args.tokens)
+    tokens = count_list(args.tokens, "--tokens")
     shape, activation = shape_and_activation(args.model, args.shape, args.tp)
     ours = default_ours() if args.ours == "auto" else [s for s in args.ours.split(",") if s]
     peers = [make_ours(s) for s in ours] + [make_peer(p, args.peer_path) for p in args.peers.split(",") if p]

@@ -46,6 +46,8 @@ def parse_shape(text: str) -> Shape:
     if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
         raise ValueError(f"--shape {text!r}: expected one of {sorted(NAMED)} or H,I,E,K (four integers)")
     h, i, e, k = (int(p) for p in parts)
+    if not (h and i and e):
+        raise ValueError(f"--shape {text!r}: H, I and E must be positive")
     if h % 32 or i % 32:
         raise ValueError(f"--shape {text!r}: H ({h}) and I ({i}) must be multiples of the MXFP4 block 32")
     if not 0 < k <= e:
@@ -64,6 +66,15 @@ def shape_from_model(path: str, tp: int = 8) -> Shape:
 def model_activation(path: str):
     from kimi_k3_moe.configs import K3MoEConfig
     return K3MoEConfig.from_hf_config(path).activation
+
+
+def add_shape_arguments(parser) -> None:
+    """`--model`/`--shape` and `--tp`, read back by `shape_and_activation` (bench and tune)."""
+    from kimi_k3_moe.cli import positive_int
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--model", help="model folder or config.json: its per-rank shape and betas (with --tp)")
+    where.add_argument("--shape", default="tp8", help="tp8 | tp16 | ep16 | H,I,E,K (default tp8)")
+    parser.add_argument("--tp", type=positive_int, default=8, help="tensor-parallel size for --model")
 
 
 def shape_and_activation(model: str | None, shape: str, tp: int):

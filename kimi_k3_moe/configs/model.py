@@ -140,6 +140,14 @@ class K3MoEConfig:
         return [i for i in range(self.first_k_dense_replace, self.num_hidden_layers)
                 if (i - self.first_k_dense_replace) % self.moe_layer_freq == 0]
 
+    def require_moe_layers(self) -> list[int]:
+        """`moe_layers()`, or ConfigError when there are none (nothing for this package to serve)."""
+        layers = self.moe_layers()
+        if not layers:
+            raise ConfigError(f"no MoE layers: first_k_dense_replace {self.first_k_dense_replace} >= "
+                              f"num_hidden_layers {self.num_hidden_layers}, so every layer is dense")
+        return layers
+
     def intermediate_per_rank(self, tp_size: int) -> int:
         if tp_size < 1 or self.moe_intermediate_size % tp_size:
             raise ConfigError(f"tensor parallel size {tp_size} does not divide "

@@ -34,8 +34,9 @@ class UserTableError(ValueError):
 
 def table_dir(env=None) -> Path:
     env = os.environ if env is None else env
-    if env.get(ENV_DIR):
-        return Path(env[ENV_DIR])
+    chosen = settings.folder_to_create(ENV_DIR, env)
+    if chosen:
+        return Path(chosen)
     cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "kimi-k3-moe" / "tables"
 
@@ -88,7 +89,9 @@ def validate(table: dict, *, backend: str, identity: dict, path: Path | str = "t
                              f"this package reads {FORMAT_VERSION}")
     if table.get("backend") != backend:
         raise UserTableError(f"user table {path}: tuned for backend {table.get('backend')!r}, not {backend!r}")
-    dev = table.get("device") or {}
+    dev = table.get("device")
+    if not isinstance(dev, dict):
+        raise UserTableError(f"user table {path}: device {dev!r} is not a JSON object")
     for field in ("name", "arch", "driver"):
         if dev.get(field) != identity.get(field):
             raise UserTableError(f"user table {path}: tuned on {dev.get('name')!r} ({dev.get('arch')}, "
@@ -102,7 +105,10 @@ def validate(table: dict, *, backend: str, identity: dict, path: Path | str = "t
     if not isinstance(tiers, list) or not tiers or not isinstance(entries, dict) or not entries:
         raise UserTableError(f"user table {path}: no tiers or no entries")
     for key, entry in entries.items():
-        have = _entry_tiers(backend, entry)
+        try:
+            have = _entry_tiers(backend, entry)
+        except (ValueError, TypeError) as exc:
+            raise UserTableError(f"user table {path}: entry {key} holds an invalid token tier: {exc}") from None
         missing = [t for t in tiers if t not in have]
         if missing:
             raise UserTableError(f"user table {path}: entry {key} lacks token tiers {missing}")

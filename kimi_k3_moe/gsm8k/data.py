@@ -9,9 +9,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimi_k3_moe import settings
 from kimi_k3_moe.gsm8k.answers_vllm import gold_answer
 
-DATA_DIR_ENV = "KIMI_K3_MOE_GSM8K_DIR"
+DATA_DIR_ENV = settings.GSM8K_DIR
 HF_DATASET = ("openai/gsm8k", "main")
 WHERE_TO_PUT_IT = (
     "put GSM8K's train.jsonl and test.jsonl (from github.com/openai/grade-school-math, "

@@ -5,6 +5,9 @@ import argparse
 import sys
 import time
 
+from kimi_k3_moe.bench.shapes import add_shape_arguments
+from kimi_k3_moe.cli import count_list, positive_float, positive_int
+
 HELP = ("tune the kernels' tiles on this GPU for one per-rank shape (each candidate checked against the "
         "reference, then timed) and write a user table that dispatch reads")
 
@@ -12,15 +15,14 @@ HELP = ("tune the kernels' tiles on this GPU for one per-rank shape (each candid
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("triton", "flydsl"), default=None,
                         help="default: flydsl on AMD, triton on NVIDIA")
-    where = parser.add_mutually_exclusive_group()
-    where.add_argument("--model", help="model folder or config.json: its per-rank shape and betas (with --tp)")
-    where.add_argument("--shape", default="tp8", help="tp8 | tp16 | ep16 | H,I,E,K (default tp8)")
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--format", dest="weight_format", default="mxfp4", help="triton: mxfp4 | int4")
-    parser.add_argument("--tiers", default=None, help="comma list of token tiers (default: the backend's)")
-    parser.add_argument("--budget-min", type=float, default=10.0, help="stop starting candidates after this")
+    add_shape_arguments(parser)
+    parser.add_argument("--format", dest="weight_format", choices=("mxfp4", "int4"), default="mxfp4",
+                        help="triton: the weight format to tune (default mxfp4)")
+    parser.add_argument("--tiers", default=None,
+                        help="comma list of token tiers (>= 1; default: the backend's)")
+    parser.add_argument("--budget-min", type=positive_float, default=10.0, help="stop starting candidates after this")
     parser.add_argument("--quick", action="store_true", help="triton: the first few candidates per stage only")
-    parser.add_argument("--reps", type=int, default=25)
+    parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
     parser.add_argument("--restart", action="store_true", help="ignore the saved progress of an earlier run")
 
 
@@ -34,10 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from kimi_k3_moe.bench.timing import GraphTimer
     from kimi_k3_moe.configs import user_tables
     shape, activation = shape_and_activation(args.model, args.shape, args.tp)
-    try:
-        tiers = [int(t) for t in args.tiers.split(",")] if args.tiers else None
-    except ValueError:
-        raise ValueError(f"--tiers {args.tiers!r}: expected a comma list of integers") from None
+    tiers = count_list(args.tiers, "--tiers") if args.tiers else None
     require_gpu("tuning times kernels on the GPU it tunes for")
     if shape.is_ep:
         raise ValueError(f"{shape.name} is an expert-parallel slice; tune its local shape "

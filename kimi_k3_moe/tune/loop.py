@@ -61,11 +61,13 @@ class State:
         if self.path.is_file():
             try:
                 data = json.loads(self.path.read_text())
-                if data.get("fingerprint") == fingerprint:
-                    self.results = data["results"]
-                    self.resumed = sum(len(v) for v in self.results.values())
-            except (OSError, ValueError, KeyError):
-                pass  # a broken state file only costs a fresh start
+            except (OSError, ValueError):
+                data = None  # a broken state file only costs a fresh start
+            results = data.get("results") if isinstance(data, dict) else None
+            if isinstance(results, dict) and data.get("fingerprint") == fingerprint \
+                    and all(isinstance(v, dict) for v in results.values()):
+                self.results = results
+                self.resumed = sum(len(v) for v in results.values())
 
     def tier(self, tier: int) -> dict[str, dict]:
         return self.results.setdefault(str(tier), {})

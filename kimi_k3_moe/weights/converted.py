@@ -401,7 +401,7 @@ def convert_checkpoint(
                                        f"own, e.g. {model_dir / CONVERTED_DIRNAME}")
     cfg = _model_config(model_dir)
     cfg.intermediate_per_rank(tp_size)  # refuses a TP size that does not split I into MXFP4 blocks
-    all_layers = cfg.moe_layers()
+    all_layers = cfg.require_moe_layers()
     layers = all_layers if layers is None else sorted(set(layers))
     outside = [layer for layer in layers if layer not in all_layers]
     if outside:
@@ -412,7 +412,10 @@ def convert_checkpoint(
                         target=target, tp_size=tp_size, layers=layers, num_experts=cfg.num_experts,
                         hidden_size=cfg.routed_expert_hidden_size,
                         intermediate_size=cfg.moe_intermediate_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConvertedCheckpointError(f"--out {out_dir} cannot be created: {exc.strerror or exc}") from None
     done_path, partial_path = out_dir / RECORD_FILE, out_dir / PARTIAL_FILE
     if done_path.is_file():
         previous = _read_json(done_path)

@@ -133,3 +133,50 @@ def test_commands_refuse_bad_input_and_a_missing_gpu_with_one_line(capsys):
         assert err.count("\n") == 1 and "no GPU" in err
         assert main(["tune", "--backend", "triton", "--shape", "tiny"]) == 2
         assert "no GPU" in capsys.readouterr().err
+
+
+def test_bench_and_tune_numbers_are_range_checked_before_any_gpu_work(capsys):
+    from kimi_k3_moe.cli import main
+    for argv, words in ((["bench", "--reps", "0"], "argument --reps: 0 is not a positive integer"),
+                        (["bench", "--tp", "0", "--model", "m"], "argument --tp: 0 is not a positive integer"),
+                        (["bench", "--seed", "-1"], "argument --seed: -1 is not a non-negative integer"),
+                        (["bench", "--tokens", "0,4"], "--tokens '0,4': every value must be >= 1"),
+                        (["bench", "--shape", "0,32,8,2"], "H, I and E must be positive"),
+                        (["tune", "--reps", "0"], "argument --reps"),
+                        (["tune", "--tp", "-8"], "argument --tp"),
+                        (["tune", "--budget-min", "nan"], "argument --budget-min: nan is not a positive finite"),
+                        (["tune", "--budget-min", "0"], "argument --budget-min"),
+                        (["tune", "--tiers", "16,-4"], "--tiers '16,-4': every value must be >= 1"),
+                        (["tune", "--tiers", "1,x"], "--tiers '1,x': expected a comma list of integers"),
+                        (["tune", "--format", "fp8"], "argument --format: invalid choice: 'fp8'")):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and words in err, (argv, err)
+        assert err.startswith(f"kimi-k3-moe {argv[0]}: error: "), err
+
+
+def test_a_typo_in_ours_is_a_usage_error_not_a_row_saying_not_available(capsys):
+    from kimi_k3_moe.cli import main
+    for bad in ("trtion", "triton:fp3", "torch:mxfp4:fp9", "torch:mxfp4:fp8:x"):
+        try:
+            make_ours(bad)
+        except ValueError as exc:
+            assert f"--ours {bad!r}" in str(exc) and "flydsl, triton, torch" in str(exc)
+        else:
+            raise AssertionError(bad)
+    assert make_ours("torch:int4:fp8").probe()[0]
+    assert main(["bench", "--shape", "tiny", "--ours", "torch,trtion"]) == 2
+    assert "--ours 'trtion'" in capsys.readouterr().err
+
+
+def test_a_non_finite_reference_never_passes(gen):
+    from kimi_k3_moe.bench.check import judge
+    out = torch.randn(4, 8, generator=gen)
+    ref = out.clone()
+    ref[1, 2] = float("nan")  # rel L2 is NaN, and NaN > bound is False: this passed
+    verdict = judge(out, ref)
+    assert not verdict.ok and "rel L2 nan" in verdict.why
+    assert judge(out, out.clone()).ok

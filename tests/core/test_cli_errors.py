@@ -103,11 +103,30 @@ def test_doctor_validates_settings_and_arguments():
     one_line_error(cli("doctor", "--config-only"), "doctor", "--config-only needs --model")
 
 
+def test_doctor_and_convert_refuse_a_model_without_moe_layers(model, tmp_path):
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["text_config"]["first_k_dense_replace"] = 5
+    (model / "config.json").write_text(json.dumps(cfg))
+    needle = "no MoE layers: first_k_dense_replace 5 >= num_hidden_layers 2, so every layer is dense"
+    (problem,) = doctor_problems(cli("doctor", "--model", model, "--no-progress"))  # it said OK
+    assert needle in problem
+    one_line_error(cli("convert", "--model", model, "--out", tmp_path / "out", "--target", "gfx942", "--layers", "1"),
+                   "convert", needle)
+
+
+def test_an_unknown_argument_is_reported_by_its_command():
+    # argparse's own message named the top command: `kimi-k3-moe: error: unrecognized arguments: ...`
+    one_line_error(cli("demo", "--model", "x"), "demo", "unrecognized arguments: --model x")
+    one_line_error(cli("-v", "doctor", "--frob"), "doctor", "unrecognized arguments: --frob")
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("activation_situ_beta", 0, "beta (activation_situ_beta) must be finite and > 0, got 0"),
     ("activation_situ_beta", "4.0", "beta (activation_situ_beta) must be a number, got '4.0'"),
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
     ("num_expert_group", 0, "'num_expert_group' must be an integer >= 1, got 0"),
+    # every layer dense: converted 0 layers and said so, or an IndexError with --layers
+    ("first_k_dense_replace", 2, "no MoE layers: first_k_dense_replace 2 >= num_hidden_layers 2"),
 ])
 def test_convert_refuses_bad_config_values(model, tmp_path, field, value, needle):
     cfg = json.loads((model / "config.json").read_text())
@@ -138,6 +157,21 @@ def test_convert_refuses_bad_arguments(model, tmp_path):
     existing = tmp_path / "a-file"
     existing.write_text("")
     one_line_error(cli(*base, "--out", existing), "convert", f"--out {existing} is an existing file")
+    # an --out that cannot be created is named (it was a bare "[Errno 20] Not a directory: ...")
+    one_line_error(cli(*base, "--out", existing / "sub"), "convert", f"--out {existing / 'sub'} cannot be created")
+    one_line_error(cli("demo", "--out", existing / "sub"), "demo", f"--out {existing / 'sub'} cannot be written")
+
+
+def test_convert_verify_refuses_a_folder_converted_with_other_options(model, tmp_path):
+    out = tmp_path / "out"
+    base = ("convert", "--model", model, "--target", "gfx942", "--out", out, "--no-progress")
+    assert cli(*base).returncode == 0
+    # this said "OK" for a TP 1 folder, which a TP 2 server then refuses
+    one_line_error(cli(*base, "--verify", "--tp", "2", "--method", "asym"), "convert",
+                   f"--out {out} holds a conversion made with --tp 1, --method search, not --tp 2, --method asym")
+    one_line_error(cli(*base, "--verify", "--layers", "2"), "convert", "made with --layers [1], not --layers [2]")
+    ok = cli(*base, "--verify")
+    assert ok.returncode == 0 and "OK: 1 file(s)" in ok.stdout, ok.stdout + ok.stderr
 
 
 @pytest.mark.parametrize("variable, value, allowed", [

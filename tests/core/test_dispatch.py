@@ -88,6 +88,9 @@ def test_routed_experts_falls_back_loudly_or_raises_when_strict(gen, caplog):
         strict.load(experts)
     off = RoutedExperts(SITU, platform=Platform("cpu"), plan=chain, self_check="off")
     assert off.load(experts).name == "silu-only"
+    typo = RoutedExperts(SITU, platform=Platform("cpu"), plan=chain, self_check="of")  # was served as "fallback"
+    with pytest.raises(ValueError, match="self_check='of'; choose one of fallback, strict, off"):
+        typo.load(experts)
 
 
 def test_routed_experts_runs_the_moe(gen):

@@ -60,6 +60,8 @@ def rewrite(path, **changes):
     ("tiers", "lacks token tiers [4]"),
     ("schema", "not a kimi-k3-moe user table"),
     ("config", "invalid config"),
+    ("tier_name", "invalid token tier"),  # these two raised ValueError/AttributeError out of the lookup
+    ("device_not_object", "device 'NVIDIA H200' is not a JSON object"),
 ])
 def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, damage, message):
     path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries())
@@ -73,6 +75,13 @@ def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, da
         rewrite(path, drop_tier="4")
     elif damage == "schema":
         rewrite(path, schema="something-else")
+    elif damage == "tier_name":
+        table = json.loads(path.read_text())
+        tiers = next(iter(table["entries"].values()))["tiers"]
+        tiers["four"] = tiers.pop("4")
+        path.write_text(json.dumps(table))
+    elif damage == "device_not_object":
+        rewrite(path, device="NVIDIA H200")
     else:
         table = json.loads(path.read_text())
         next(iter(table["entries"].values()))["tiers"]["1"]["stage1"]["block_k"] = 96
@@ -115,3 +124,14 @@ def test_doctor_and_the_plugin_log_line_name_the_serving_table(tables):
     assert common._table_line("triton[mxfp4]").startswith(f"user table {path}")
     assert doctor._tables_line("triton").startswith(f"tiles: user table {path}")
     assert common._table_line("torch[mxfp4]") is None  # its log line stays as it was
+
+
+def test_a_tables_setting_that_names_a_file_is_refused_and_doctor_lists_it(tmp_path):
+    from kimi_k3_moe import settings
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    env = {"KIMI_K3_MOE_TABLES": str(a_file)}
+    with pytest.raises(settings.SettingError, match=f"KIMI_K3_MOE_TABLES={a_file} exists and is not a folder"):
+        user_tables.table_dir(env)
+    assert settings.check_all(env) == [f"KIMI_K3_MOE_TABLES={a_file} exists and is not a folder"]
+    assert user_tables.table_dir({"KIMI_K3_MOE_TABLES": str(tmp_path / "new")}) == tmp_path / "new"  # tune creates it

@@ -24,8 +24,18 @@ def make_peer(name: str, peer_path: str | None = None) -> Peer:
 
 def make_ours(spec: str) -> Peer:
     """'triton' | 'triton:int4' | 'triton:mxfp4:fp8' (backend[:weight format[:activation dtype]]) ..."""
+    from kimi_k3_moe.act_quant import ACT_DTYPES
     from kimi_k3_moe.bench.peers.ours import OursPeer
-    backend, fmt, act = (spec.split(":") + ["", ""])[:3]
+    from kimi_k3_moe.experts import KINDS
+    from kimi_k3_moe.kernels import SPECS
+    parts = spec.split(":")
+    backend, fmt, act = (parts + ["", ""])[:3]
+    # a typo is a usage error, as for --peers; not a row saying "not available"
+    if len(parts) > 3 or backend not in {s.name for s in SPECS} or fmt not in ("", *KINDS) \
+            or act not in ("", *ACT_DTYPES):
+        raise ValueError(f"--ours {spec!r}: expected backend[:weight format[:activation dtype]] with backend one "
+                         f"of {', '.join(s.name for s in SPECS)}, format {'/'.join(KINDS)}, "
+                         f"activation dtype {'/'.join(ACT_DTYPES)}")
     return OursPeer(backend, fmt or "mxfp4", **({"act_dtype": act} if act else {}))
 
 
