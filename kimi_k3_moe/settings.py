@@ -15,6 +15,7 @@ SELF_CHECK = "KIMI_K3_MOE_SELF_CHECK"
 CONVERTED = "KIMI_K3_MOE_CONVERTED"
 VALIDATE_WEIGHTS = "KIMI_K3_MOE_VALIDATE_WEIGHTS"
 TABLES = "KIMI_K3_MOE_TABLES"  # a folder `tune` creates if needed (configs/user_tables.py reads it)
+FLYDSL_ROCM = "KIMI_K3_MOE_FLYDSL_ROCM"  # a ROCm-like root holding llvm/bin/ld.lld (kernels/flydsl/toolchain.py)
 GSM8K_DIR = "KIMI_K3_MOE_GSM8K_DIR"  # `gsm8k --data-dir`'s default; gsm8k/data.py checks the folder
 
 BACKENDS = ("torch", "triton", "flydsl")

@@ -17,7 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ENV_ROCM = "KIMI_K3_MOE_FLYDSL_ROCM"   # our override; FlyDSL itself reads ROCM_PATH
+from kimi_k3_moe import settings
+
+ENV_ROCM = settings.FLYDSL_ROCM   # our override; FlyDSL itself reads ROCM_PATH
 
 
 def flydsl_version() -> str | None:
