@@ -16,6 +16,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
 from kimi_k3_moe.weights.requant import to_format
+from kimi_k3_moe.weights.validate import validate_experts
 
 logger = logging.getLogger("kimi_k3_moe")
 
@@ -68,6 +69,8 @@ def load_backend(plan: list, experts: Any = None, activation: ActivationSpec | N
     """
     if self_check not in settings.SELF_CHECK_MODES:  # a typo ("of") would have meant "fallback"
         raise ValueError(f"self_check={self_check!r}; choose one of {', '.join(settings.SELF_CHECK_MODES)}")
+    if experts is not None:
+        validate_experts(experts, layer=layer_name)  # before any kernel, the self-check's included
     checks = checks if checks is not None else SelfCheckCache()
     refusable = (BackendUnavailable, SelfCheckFailed) + ((ValueError,) if experts is None else ())
     refusals: list[str] = []

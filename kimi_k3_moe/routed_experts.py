@@ -17,7 +17,6 @@ from kimi_k3_moe.kernels.base import MoEBackend
 from kimi_k3_moe.loading import SelfCheckCache, load_backend
 from kimi_k3_moe.platform import Platform, detect_platform
 from kimi_k3_moe.self_check import self_check_mode
-from kimi_k3_moe.weights.validate import validate_experts
 
 
 class RoutedExperts:
@@ -42,7 +41,6 @@ class RoutedExperts:
 
     def load(self, experts) -> MoEBackend:
         """Pick the first backend that runs here and passes the self-check; convert the experts."""
-        validate_experts(experts, layer=self.layer_name)  # before any kernel, the self-check's included
         loaded = load_backend(self.plan, experts, self.activation, self_check=self.self_check,
                               checks=self.checks, layer_name=self.layer_name)
         self.backend, self.choice, self.prepared = loaded.backend, loaded.choice, loaded.prepared
