@@ -120,9 +120,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _tables_line(backend: str) -> str:
     from kimi_k3_moe.configs import user_tables
-    if backend not in ("triton", "flydsl"):
-        return f"tiles: none ({backend} has no tile table)"
-    return f"tiles: {user_tables.describe(backend)}"
+    line = user_tables.serving(backend)
+    return f"tiles: {line}" if line else f"tiles: none ({backend} has no tile table)"
 
 
 def _check_model(model: str, tp: int, *, weights: bool, progress: bool) -> list[str]:

@@ -23,6 +23,7 @@ SCHEMA = "kimi-k3-moe/user-table"
 FORMAT_VERSION = 1
 ENV_DIR = settings.TABLES
 INTERPRETER = "interpreter"
+TABLED_BACKENDS = ("triton", "flydsl")  # the backends whose tiles come from tables
 
 log = logging.getLogger("kimi_k3_moe")
 _messages: dict[str, str] = {}  # path -> why it was refused (doctor shows these)
@@ -203,6 +204,12 @@ def describe(backend: str) -> str:
         return f"user table {path} (tuned {table.get('written', '?')}, {len(table['entries'])} shape(s))"
     why = _messages.get(str(path))
     return f"packaged table ({why})" if why else f"packaged table (no user table at {path})"
+
+
+def serving(backend: str) -> str | None:
+    """`describe` for a backend's name or description ("triton[mxfp4]"); None when it reads no tile table."""
+    name = backend.split("[")[0]
+    return describe(name) if name in TABLED_BACKENDS else None
 
 
 def clear_cache() -> None:

@@ -96,11 +96,8 @@ def log_serving_once(engine: str, backend: str, activation: ActivationSpec) -> N
 def _table_line(backend: str) -> str | None:
     """Which tile table serves `backend` ("triton[mxfp4]" -> the triton tables); None: it has none."""
     from kimi_k3_moe.configs import user_tables
-    name = backend.split("[")[0]
-    if name not in ("triton", "flydsl"):
-        return None
     try:
-        return user_tables.describe(name)
+        return user_tables.serving(backend)
     except Exception as exc:  # the log line must never stop serving
         return f"packaged table (user table not checked: {type(exc).__name__})"
 

@@ -7,13 +7,14 @@ import time
 
 from kimi_k3_moe.bench.shapes import add_shape_arguments
 from kimi_k3_moe.cli import count_list, positive_float, positive_int
+from kimi_k3_moe.configs.user_tables import TABLED_BACKENDS
 
 HELP = ("tune the kernels' tiles on this GPU for one per-rank shape (each candidate checked against the "
         "reference, then timed) and write a user table that dispatch reads")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=("triton", "flydsl"), default=None,
+    parser.add_argument("--backend", choices=TABLED_BACKENDS, default=None,
                         help="default: flydsl on AMD, triton on NVIDIA")
     add_shape_arguments(parser)
     parser.add_argument("--format", dest="weight_format", choices=("mxfp4", "int4"), default="mxfp4",
