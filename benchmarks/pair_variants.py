@@ -1,4 +1,4 @@
-"""Candidate one-dot ("pairs") configs beside the table's, timed in one run (data for the table).
+"""Candidate configs beside the table's, timed in one run (data for the table).
 
 For each token count: the table's config (the baseline) and each candidate, every one a
 CUDA-graph replay with L2 flushed before it, median of --reps, with the copy bandwidth of
@@ -17,25 +17,6 @@ from dataclasses import replace
 from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
 
 
-def _stage_sets(block_m: int):
-    """(stage-1, stage-2) candidates by block_m: weights as the register operand (swap) up to 64
-    rows, where the two stage-1 accumulators still fit next to the decoded tile; 128 rows not."""
-    k = KernelConfig
-    if block_m <= 32:
-        return ({"s1n64k128s3": k(64, 128, 4, 3, pairs=True), "s1n64k256s4": k(64, 256, 4, 4, pairs=True),
-                 "s1n64k256s3": k(64, 256, 4, 3, pairs=True)},
-                {"s2n64k64s4": k(64, 64, 4, 4, pairs=True), "s2n64k128": k(64, 128, 4, 3, pairs=True),
-                 "s2n64k128s2": k(64, 128, 4, 2, pairs=True)})
-    if block_m == 64:
-        return ({"s1n64k64s4": k(64, 64, 4, 4, pairs=True), "s1n64k128s3": k(64, 128, 4, 3, pairs=True),
-                 "s1n64k256s3": k(64, 256, 4, 3, pairs=True)},
-                {"s2n128k128w8": k(128, 128, 8, 3, pairs=True), "s2n128k64w8s4": k(128, 64, 8, 4, pairs=True)})
-    return ({"s1n64k64w8": k(64, 64, 8, 3, swap=False, pairs=True),
-             "s1n64k64w8s4": k(64, 64, 8, 4, swap=False, pairs=True)},
-            {"s2n128k64w8": k(128, 64, 8, 3, swap=False, pairs=True),
-             "s2n256k64w8": k(256, 64, 8, 3, swap=False, pairs=True)})
-
-
 def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 384) -> dict[str, MoEConfig]:
     """One-dot variants of an aligned config at `tokens` (gemv tiers get none), valid for the shape;
     stage-2 K steps that do not divide I (TP16: 192) become 64 wide."""
@@ -51,23 +32,49 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
 
 
 def _candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
+    """Stage 1 on one stacked gate/up tile (`KernelConfig.stack_gate_up`; with 8 warps each warpgroup
+    holds one of gate and up, so 128-row blocks fit: sm_90 AOT 167 registers under Triton 3.6, 248
+    under 3.9, no spills) beside the table's stage 2 or a 128 x 128 one."""
     if base.path != "aligned":
         return {}
-    bms = [base.block_m]
-    if tokens >= 1024:
-        bms += [2 * base.block_m] if base.block_m < 64 else []
+    k = KernelConfig
+    s2 = base.stage2
+    if tokens <= 256:
+        shapes = [(16, k(32, 128, 4, 3)), (16, k(64, 128, 8, 3)), (32, k(64, 128, 8, 3))]
+    elif tokens <= 1024:
+        shapes = [(32, k(64, 128, 8, 3)), (32, k(32, 128, 4, 3)), (64, k(64, 128, 8, 3))]
+        s2 = k(128, 128, 8, 3, pairs=True)
+    else:
+        shapes = [(128, k(64, 128, 8, 3)), (128, k(64, 64, 8, 3)), (64, k(64, 128, 8, 3))]
+        s2 = k(128, 128, 8, 3, pairs=True)
+    return {f"bm{bm}-stacked-n{s1.block_n}k{s1.block_k}w{s1.num_warps}": replace(
+        base, block_m=bm, stage1=replace(s1, pairs=True, stack_gate_up=True), stage2=s2) for bm, s1 in shapes}
+
+
+def ep_candidates(base: MoEConfig, tokens: int, hidden: int, inter: int) -> dict[str, MoEConfig]:
+    """EP: the TP8 table's config at the same token count (under EP16 a local expert gets as many
+    rows per token as under TP8: 16/896), and, for few tokens, GEMV tiles narrow enough to give
+    the handful of local pairs enough programs."""
+    from kimi_k3_moe.configs import triton_table as tt
     out = {}
-    if tokens >= 4096:  # one stage on the pair order beside the table's other stage
-        for name, s2 in (("s2n128k128w8", KernelConfig(128, 128, 8, 3, pairs=True)),
-                         ("s2n64k128", KernelConfig(64, 128, 4, 3, pairs=True))):
-            out[f"table-s1-{name}"] = replace(base, stage2=s2)
-        out["s1n64k128s3-table-s2"] = replace(base, stage1=KernelConfig(64, 128, 4, 3, pairs=True))
-    for bm in dict.fromkeys(bms):
-        s1s, s2s = _stage_sets(bm)
-        for n1, s1 in s1s.items():
-            for n2, s2 in s2s.items():
-                out[f"bm{bm}-{n1}-{n2}"] = replace(base, block_m=bm, stage1=s1, stage2=s2)
-    return out
+    tp8 = tt.lookup("nvidia_h200", "mxfp4", 896, hidden, 384, tokens, is_cuda=True,
+                    table=tt.load_table("nvidia_h200") or {}).config
+    if inter % tp8.stage2.block_k:
+        tp8 = replace(tp8, stage2=replace(tp8.stage2, block_k=128))
+    out["tp8-table"] = tp8
+    if tokens <= 64:
+        g = tt.heuristic_config(hidden, inter, 1, is_cuda=True)
+        for bn1, bk1 in ((4, 512), (8, 512), (8, 256), (16, 256)):
+            for bn2, bk2 in ((8, 256), (16, 128)):
+                out[f"gemv-s1n{bn1}k{bk1}-s2n{bn2}k{bk2}"] = replace(
+                    g, stage1=KernelConfig(bn1, bk1, 4, 1), stage2=KernelConfig(bn2, bk2, 4, 1))
+    valid = {}
+    for name, cfg in out.items():
+        try:
+            valid[name] = cfg.validate(hidden, inter)
+        except ValueError:
+            pass
+    return valid
 
 
 def main() -> int:
@@ -90,6 +97,10 @@ def main() -> int:
     situ = ActivationSpec.situv2(4.0, 25.0)
     s = SHAPES[args.shape]
     e, h, i = s["num_experts"], s["hidden"], s["inter"]
+    routed = s.get("routed_experts", e)
+    from kimi_k3_moe.bench.data import expert_map_for
+    emap = expert_map_for(routed, e, "cuda") if routed != e else None
+    variants = ep_candidates if emap is not None else (lambda base, t, h, i: candidates(base, t, h, i))
     info = env_info()
     bw = copy_bandwidth_gbps()
     log(f"copy bandwidth {bw:.0f} GB/s")
@@ -100,29 +111,31 @@ def main() -> int:
     for fmt in args.formats.split(","):
         be = get_backend("triton", weight_format=fmt)
         p = be.prepare(requantize_experts(experts, progress=False) if fmt == "int4" else experts)
-        plans = {t: {"table": be.lookup(p, t).config, **candidates(be.lookup(p, t).config, t, h, i)} for t in tokens}
+        plans = {t: {"table": be.lookup(p, t).config, **variants(be.lookup(p, t).config, t, h, i)} for t in tokens}
         act = (situ.name, situ.beta, situ.linear_beta)
-        precompile([Recipe(fmt, e, h, i, t, K3_TOPK, act, json.dumps(c.to_json(), sort_keys=True))
+        precompile([Recipe(fmt, e, h, i, t, K3_TOPK, act, json.dumps(c.to_json(), sort_keys=True),
+                           expert_map=emap is not None)
                     for t in tokens for c in plans[t].values()])
         timer = ColdL2Timer()
         for t in tokens:
             hidden = random_hidden(t, h, "cuda", gen)
-            weights, ids = random_routing(t, e, K3_TOPK, "cuda", gen)
-            floor = int(torch.unique(ids).numel()) * mxfp4_bytes_per_expert(h, i) / (bw * 1e9) * 1e6
+            weights, ids = random_routing(t, routed, K3_TOPK, "cuda", gen)
+            held = ids if emap is None else ids[emap[ids.long()] >= 0]
+            floor = int(torch.unique(held).numel()) * mxfp4_bytes_per_expert(h, i) / (bw * 1e9) * 1e6
             row = {"fmt": fmt, "tokens": t, "floor_bw_us": floor}
             ref = None
             for name, cfg in plans[t].items():
                 out = torch.empty_like(hidden)
                 try:
                     b = get_backend("triton", weight_format=fmt, config=cfg)
-                    b.forward(p, hidden, weights, ids, situ, out=out)
+                    b.forward(p, hidden, weights, ids, situ, emap, out=out)
                     if ref is None:
                         ref = out.clone()
                     err = relative_l2(out.float(), ref.float())
                     if not err < 1e-2:
                         row[f"{name}_error"] = f"rel L2 vs table {err:.3g}"
                         continue
-                    row[f"{name}_us"] = timer.time_graph(lambda: b.forward(p, hidden, weights, ids, situ, out=out),
+                    row[f"{name}_us"] = timer.time_graph(lambda: b.forward(p, hidden, weights, ids, situ, emap, out=out),
                                                          reps=args.reps)["median_us"]
                 except Exception as exc:
                     row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]

@@ -39,6 +39,9 @@ class KernelConfig:
     swap: bool = True  # aligned path: weights as the MMA's M operand (good for few tokens per tile)
     interleave: bool = True  # aligned path: restore K order in registers (2 dots) or 8 dots on K = 8c + j
     pairs: bool = False  # aligned path: one dot per K step on the pair order (decode.pair_order); wins over interleave
+    # aligned stage 1 with pairs: gate and up rows stacked in one [2 x block_n] tile, one dot per K step
+    # (with 8 warps each warpgroup holds one of them: half the accumulator registers per thread)
+    stack_gate_up: bool = False
 
     def validate(self, k: int, what: str, min_block_n: int = 16) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -53,6 +56,8 @@ class KernelConfig:
             raise ValueError(f"{what}: interleave=False needs block_k >= 128 (8 dots of block_k/8 >= 16)")
         if self.num_stages < 1:
             raise ValueError(f"{what}.num_stages = {self.num_stages} must be >= 1")
+        if self.stack_gate_up and not self.pairs:
+            raise ValueError(f"{what}: stack_gate_up needs pairs (the stacked tile is read in pair order)")
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ class MoEConfig:
         min_n = 16 if self.path == "aligned" else 2  # tl.dot needs 16; the FMA path does not
         self.stage1.validate(hidden, "stage1", min_n)
         self.stage2.validate(inter, "stage2", min_n)
+        if self.stage2.stack_gate_up:
+            raise ValueError("stage2.stack_gate_up: stage 2 has no gate and up rows")
         return self
 
     def to_json(self) -> dict:

@@ -36,9 +36,14 @@ ALIGNED_PAIRS_NOSWAP = replace(ALIGNED_PAIRS, block_m=32, stage1=replace(ALIGNED
 # a pair-order stage beside an interleaving one (stage 1 writes what stage 2 reads)
 ALIGNED_PAIRS_MIXED = replace(ALIGNED_PAIRS, stage2=ALIGNED.stage2)
 ALIGNED_MIXED_PAIRS = replace(ALIGNED_PAIRS, stage1=ALIGNED_WORDDOTS.stage1)
+# gate and up rows stacked in one tile (one dot per K step)
+ALIGNED_STACKED = replace(ALIGNED_PAIRS, block_m=32, stage1=replace(ALIGNED_PAIRS.stage1, block_n=32, num_warps=8,
+                                                                    stack_gate_up=True))
+ALIGNED_STACKED_NOSWAP = replace(ALIGNED_PAIRS_NOSWAP, stage1=replace(ALIGNED_PAIRS_NOSWAP.stage1, stack_gate_up=True))
 PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS,
          "aligned-pairs": ALIGNED_PAIRS, "aligned-pairs-noswap": ALIGNED_PAIRS_NOSWAP,
-         "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS}
+         "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS,
+         "aligned-stacked": ALIGNED_STACKED, "aligned-stacked-noswap": ALIGNED_STACKED_NOSWAP}
 
 
 def reference(backend, prepared, hidden, weights, ids, act, emap=None):
@@ -108,7 +113,7 @@ def test_betas_are_honoured(problem):
     assert relative_l2(outs[0], outs[2].float()) > 1e-3
 
 
-@pytest.mark.parametrize("path", ["gemv", "aligned", "aligned-pairs"])
+@pytest.mark.parametrize("path", ["gemv", "aligned", "aligned-pairs", "aligned-stacked"])
 def test_expert_map_skips_experts_of_other_ranks(path, problem):
     ex, _, gen = problem
     backend = get_backend("triton", config=PATHS[path])

@@ -49,7 +49,7 @@ def fp8_config(config: MoEConfig) -> MoEConfig:
 
     def fix(cfg: KernelConfig, accumulators: int) -> KernelConfig:
         if cfg.pairs:  # the e4m3 kernels have no pair-order variant: they take the K-order dots
-            cfg = replace(cfg, pairs=False, interleave=True)
+            cfg = replace(cfg, pairs=False, interleave=True, stack_gate_up=False)
         if not cfg.interleave and cfg.block_k // 8 < MIN_DOT_K:
             cfg = replace(cfg, interleave=True)
         if accumulators == 2 and config.block_m in ONE_DOT_BLOCK_MS:

@@ -77,8 +77,9 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
                 TOPK=topk, DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
                 PAIRS=cfg.pairs, BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs)
-    grid = (pairs.max_blocks, cdiv(inter_size, cfg.block_n))
+                OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs,
+                STACK_GATE_UP=cfg.stack_gate_up)
+    grid = (pairs.max_blocks * cdiv(inter_size, cfg.block_n),)
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
 
 

@@ -22,7 +22,7 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
     hidden = experts.hidden_size
     topk = topk_weights.shape[1]
     y = torch.empty(pairs.num_pairs, hidden, dtype=torch.bfloat16, device=inter.device)
-    matmul = Launch(stage2_aligned_kernel, (pairs.max_blocks, cdiv(hidden, cfg.block_n)), dict(
+    matmul = Launch(stage2_aligned_kernel, (pairs.max_blocks * cdiv(hidden, cfg.block_n),), dict(
         inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2"),
         y_ptr=y, stride_ym=y.stride(0), topk_w_ptr=topk_weights.reshape(-1),
         sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,

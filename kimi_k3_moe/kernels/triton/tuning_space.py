@@ -19,14 +19,15 @@ ACT = ActivationSpec.situv2(4.0, 25.0)
 GEMV_MAX_TOKENS = 16
 
 # (block_n, block_k, num_warps, num_stages[, order]), order True: interleave, False: word dots,
-# PAIRS: one dot per K step on the pair order (the H200's winners at 16-256 tokens, 2026-12-01;
+# PAIRS: one dot per K step on the pair order; STACKED: the same on one stacked gate/up tile (the H200's winners at 16-256 tokens, 2026-12-01;
 # block_k 256 was faster still under Triton 3.6 but spills under 3.9). The GEMV path does its own
 # one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
 GEMV_S1 = [(16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 512, 4, 1)]
 GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
 # most promising first: the secondary entries try only the first QUICK of each list
 PAIRS = "pairs"
-ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (64, 256, 4, 3, PAIRS),
+STACKED = "stacked"  # pairs, gate and up rows in one tile (H200 winners at 16-64 tokens MXFP4, 4096+ int4)
+ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (32, 128, 4, 3, STACKED), (64, 128, 8, 3, STACKED), (64, 256, 4, 3, PAIRS),
               (64, 256, 4, 3, False), (128, 64, 8, 4, True), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
               (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
               # two stages: less shared memory per CTA, so more CTAs per SM on the latency-bound sizes
@@ -58,7 +59,8 @@ def kc(t, swap=True) -> KernelConfig:
     bn, bk, w, s, *order = t
     order = order[0] if order else True
     return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap,
-                        interleave=order is not False, pairs=order == PAIRS)
+                        interleave=order is not False, pairs=order in (PAIRS, STACKED),
+                        stack_gate_up=order == STACKED)
 
 
 def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
