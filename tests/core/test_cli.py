@@ -74,3 +74,23 @@ def test_doctor_says_whether_vllm_would_load_the_plugin():
     expected = "vllm    off: VLLM_PLUGINS='other' leaves kimi_k3_moe out" if installed \
         else "vllm    entry point not installed"
     assert expected in result.stdout
+
+
+def test_the_cli_and_the_checkpoint_reader_fold_errors_to_one_line_the_same_way(monkeypatch, capsys):
+    from kimi_k3_moe import doctor
+    from kimi_k3_moe.cli import main
+    from kimi_k3_moe.weights.checkpoint import one_line
+
+    assert one_line(ValueError("safetensors said:\n  header\ttoo large ")) == "safetensors said: header too large"
+    assert one_line(KeyError()) == "KeyError"  # an empty message still says something
+
+    def raising(exc):
+        def run(args):
+            raise exc
+        return run
+    for exc, code, line in ((ValueError("bad\n   value"), 2, "kimi-k3-moe doctor: error: bad value\n"),
+                            (TypeError(), 1, "kimi-k3-moe doctor: error: internal error TypeError: TypeError "
+                                             "(rerun with --debug for the traceback)\n")):
+        monkeypatch.setattr(doctor, "run", raising(exc))
+        assert main(["doctor"]) == code
+        assert capsys.readouterr().err == line
