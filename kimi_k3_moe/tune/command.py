@@ -24,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="triton: the weight format to tune (default mxfp4)")
     parser.add_argument("--tiers", default=None,
                         help="comma list of token tiers (>= 1; default: the backend's)")
-    parser.add_argument("--budget-min", type=positive_float, default=10.0, help="stop starting candidates after this")
+    parser.add_argument("--budget-min", type=positive_float, default=10.0,
+                        help="minutes, shared by the tiers (each gets its part of what is left); no candidate "
+                             "starts after it")
     parser.add_argument("--quick", action="store_true", help="triton: the first few candidates per stage only")
     parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
     parser.add_argument("--restart", action="store_true", help="ignore the saved progress of an earlier run")
