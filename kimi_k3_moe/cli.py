@@ -92,11 +92,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return ValueError, OSError, BackendUnavailable, SelfCheckFailed
 
 
-def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def main(argv: list[str] | None = None) -> int:
+    from kimi_k3_moe.weights.checkpoint import one_line  # here: importing cli stays free of torch
+
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # argparse would report them as the top command's, without the subcommand's name
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")

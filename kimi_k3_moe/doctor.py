@@ -5,6 +5,7 @@ import argparse
 import importlib.metadata as md
 import platform as py_platform
 import sys
+from pathlib import Path
 
 import torch
 
@@ -78,6 +79,11 @@ def _memory_bytes() -> tuple[int, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # usage errors before the report; a model that exists but cannot be served is the report's answer (1)
+    if args.config_only and not args.model:
+        raise ValueError("--config-only needs --model")
+    if args.model and not Path(args.model).exists():
+        raise ValueError(f"--model {args.model} does not exist")
     print(f"kimi-k3-moe {__version__}")
     print(f"python {sys.version.split()[0]} ({py_platform.machine()}), torch {torch.__version__}")
     for package in OPTIONAL_PACKAGES:
@@ -105,8 +111,6 @@ def run(args: argparse.Namespace) -> int:
     except (BackendUnavailable, ValueError) as exc:
         if str(exc) not in problems:  # an invalid setting is listed once
             problems.append(str(exc))
-    if args.config_only and not args.model:
-        raise ValueError("--config-only needs --model")
     if args.model:
         problems += _check_model(args.model, args.tp, weights=not args.config_only,
                                  progress=not args.no_progress)
@@ -153,8 +157,6 @@ def _check_model(model: str, tp: int, *, weights: bool, progress: bool) -> list[
     if not weights:
         print("  weights: not checked (--config-only)")
         return problems
-    from pathlib import Path
-
     from kimi_k3_moe.weights.check import check_weights
 
     folder = Path(model).parent if Path(model).is_file() else Path(model)

@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from kimi_k3_moe.bench.shapes import require_gpu, shape_and_activation
     from kimi_k3_moe.bench.timing import GraphTimer, bf16_matmul_tflops, copy_bandwidth_gbps
     tokens = count_list(args.tokens, "--tokens")
+    if args.json_out:
+        report.require_writable(args.json_out)
     shape, activation = shape_and_activation(args.model, args.shape, args.tp)
     ours = default_ours() if args.ours == "auto" else [s for s in args.ours.split(",") if s]
     peers = [make_ours(s) for s in ours] + [make_peer(p, args.peer_path) for p in args.peers.split(",") if p]

@@ -56,6 +56,25 @@ def render(result: dict, console=None) -> None:
                       "".join(f"; {n}" for n in meta.get("notes", [])))
 
 
+def require_writable(path) -> Path:
+    """`--json PATH` checked before any GPU work (a run must not end unable to save what it timed):
+    its folder created as write_json would, the file opened for appending; else ValueError naming it."""
+    path = Path(path)
+    existed = path.exists()
+    nearest = next((p for p in path.parents if p.exists()), None)
+    if nearest is not None and not nearest.is_dir():  # mkdir would only say "File exists"
+        raise ValueError(f"--json {path} cannot be written: {nearest} is a file, not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--json {path} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()  # leave nothing behind if the run stops before its first row
+    return path
+
+
 def write_json(path, result: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

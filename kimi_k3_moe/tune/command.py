@@ -11,6 +11,9 @@ from kimi_k3_moe.configs.user_tables import TABLED_BACKENDS
 
 HELP = ("tune the kernels' tiles on this GPU for one per-rank shape (each candidate checked against the "
         "reference, then timed) and write a user table that dispatch reads")
+# what a target's constructor raises when this machine cannot run the backend (BackendUnavailable, a
+# missing toolchain, a shape the kernels refuse, a compiler that does not import); other types are bugs
+CANNOT_RUN_HERE = (RuntimeError, ValueError, ImportError)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="triton: the weight format to tune (default mxfp4)")
     parser.add_argument("--tiers", default=None,
                         help="comma list of token tiers (>= 1; default: the backend's)")
-    parser.add_argument("--budget-min", type=positive_float, default=10.0, help="stop starting candidates after this")
+    parser.add_argument("--budget-min", type=positive_float, default=10.0,
+                        help="minutes, shared by the tiers (each gets its part of what is left); no candidate "
+                             "starts after it")
     parser.add_argument("--quick", action="store_true", help="triton: the first few candidates per stage only")
     parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
     parser.add_argument("--restart", action="store_true", help="ignore the saved progress of an earlier run")
@@ -32,7 +37,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kimi_k3_moe.bench.data import random_experts
     from kimi_k3_moe.bench.shapes import require_gpu, shape_and_activation
     from kimi_k3_moe.bench.timing import GraphTimer
     from kimi_k3_moe.configs import user_tables
@@ -46,11 +50,10 @@ def run(args: argparse.Namespace) -> int:
     backend = args.backend or ("flydsl" if hip else "triton")
     identity = user_tables.device_identity()
     seed = random.SystemRandom().randrange(2**31)
-    experts = random_experts(shape.num_experts, shape.hidden, shape.inter, "cuda",
-                             torch.Generator(device="cuda").manual_seed(seed))
+    experts = random_layer(shape, seed)
     try:
         target = make_target(backend, shape, experts, activation, identity, args, tiers)
-    except Exception as exc:  # whatever stops a backend from building here is the user's answer
+    except CANNOT_RUN_HERE as exc:  # a backend's own checks saying no; a bug (TypeError, ...) stays internal
         raise ValueError(f"the {backend} backend cannot be tuned here: {exc}") from exc
     state = user_tables.table_path(backend, identity["key"]).with_suffix(f".{shape.name}.state.json")
     if args.restart:
@@ -58,6 +61,15 @@ def run(args: argparse.Namespace) -> int:
     result = run_with_progress(target, activation, GraphTimer(reps=args.reps), args.budget_min * 60, state, seed)
     print_summary(result)
     return 0
+
+
+def random_layer(shape, seed: int):
+    """The random MXFP4 experts every candidate runs on, on the GPU."""
+    import torch
+
+    from kimi_k3_moe.bench.data import random_experts
+    return random_experts(shape.num_experts, shape.hidden, shape.inter, "cuda",
+                          torch.Generator(device="cuda").manual_seed(seed))
 
 
 def make_target(backend, shape, experts, activation, identity, args, tiers):

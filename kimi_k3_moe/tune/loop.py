@@ -6,7 +6,11 @@ check each survivor on fresh random data against the float reference (the
 model's SiTUv2, which must differ from SiLU), time it with the bench's one
 method, and keep the fastest. Every outcome goes to a state file after each
 candidate, so an interrupted run resumes where it stopped; the whole run is
-bounded by a budget. Tiers left untuned take the packaged table's config and
+bounded by a budget, shared out so that the first tiers cannot spend it all:
+tier i of n may start candidates until now + (what is left) / (n - i), time a
+tier leaves unused goes to the ones after it, and a tier's first candidate (for
+Triton the packaged config, the bar to beat) is timed even past its share, but
+never past the budget. Tiers left untuned take the packaged table's config and
 say so. The table is written by `configs.user_tables.write`, the one writer.
 """
 from __future__ import annotations
@@ -90,13 +94,18 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
                    **target.table_extra()}
     state = State(state_path, fingerprint)
     deadline = clock() + budget_s
+    tiers = target.tiers()
     gen = torch.Generator(device=device).manual_seed(seed)
     w13_of, w2_of = target.reference_weights()
     silu = ActivationSpec.silu()
-    out_of_time = False
+    out_of_time = False  # some candidate was left unmeasured for lack of time (a rerun continues)
     chosen: dict[int, tuple[Candidate | None, dict]] = {}
-    for tier in target.tiers():
+    for i, tier in enumerate(tiers):
         done = state.tier(tier)
+        now = clock()
+        tier_deadline = now + max(0.0, deadline - now) / (len(tiers) - i)
+        tier_out_of_time = False
+        first = None  # the target's first candidate of this tier
         hidden = random_hidden(tier, shape.hidden, device, gen)  # fresh data every run, every tier
         weights, ids = random_routing(tier, shape.num_experts, shape.topk, device, gen)
         ref = silu_ref = None
@@ -105,12 +114,14 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
             fresh = [c for c in target.candidates(tier, done) if c.key not in seen]
             if not fresh:
                 break
+            first = first or fresh[0].key
             for cand in fresh:
                 seen[cand.key] = cand
-                if cand.key in done or out_of_time:  # measured before (resume), or no time left
+                if cand.key in done:  # measured before (resume)
                     continue
-                if clock() > deadline:
-                    out_of_time = True
+                now = clock()
+                if now > deadline or (now > tier_deadline and cand.key != first):
+                    tier_out_of_time = out_of_time = True
                     continue
                 if progress:
                     progress(cand)
@@ -142,13 +153,13 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
             us, key = min(timed)
             info = {"tuned": True, "us": us, "candidates": len(seen), "timed": len(timed)}
             if not all(k in done for k in seen):
-                info["partial"] = True  # the budget ran out inside this tier: the best so far
+                info["partial"] = True  # its share of the budget ran out: the best so far
             chosen[tier] = (seen[key], info)
         else:
-            chosen[tier] = (None, {"tuned": False, "note": "budget ran out" if out_of_time
+            chosen[tier] = (None, {"tuned": False, "note": "budget ran out" if tier_out_of_time
                                    else "no candidate passed", **target.packaged(tier)})
     key, entry = target.entries(chosen)
-    path = user_tables.write(target.backend, target.identity, target.tiers(), {key: entry},
+    path = user_tables.write(target.backend, target.identity, tiers, {key: entry},
                              extra=target.table_extra())
     return {"path": str(path), "key": key, "resumed": state.resumed, "out_of_time": out_of_time,
             "tiers": {t: info for t, (c, info) in chosen.items()},

@@ -44,10 +44,11 @@ def open_shard(path: Path):
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt header?): "
-                              f"{_one_line(exc)}") from None
+                              f"{one_line(exc)}") from None
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (a library's multi-line text folded), else its type's name."""
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
@@ -56,7 +57,7 @@ def read_index(path: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(path.read_text())["weight_map"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {_one_line(exc)}") from None
+        raise CheckpointError(f"{path} is not valid JSON: {one_line(exc)}") from None
     except (KeyError, TypeError):
         raise CheckpointError(f"{path} has no \"weight_map\" object") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -146,7 +147,7 @@ class CheckpointReader:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"tensor {name!r} in {shard} cannot be read: {_one_line(exc)}") from None
+            raise CheckpointError(f"tensor {name!r} in {shard} cannot be read: {one_line(exc)}") from None
 
     def get(self, name: str) -> torch.Tensor:
         shard = self._where.get(name)
@@ -161,7 +162,7 @@ class CheckpointReader:
         except BaseException as exc:  # safetensors raises its own types for truncation
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"tensor {name!r} in {shard} cannot be read: {_one_line(exc)}") from None
+            raise CheckpointError(f"tensor {name!r} in {shard} cannot be read: {one_line(exc)}") from None
 
 
 def _as_2d_scale(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -180,3 +180,22 @@ def test_a_non_finite_reference_never_passes(gen):
     verdict = judge(out, ref)
     assert not verdict.ok and "rel L2 nan" in verdict.why
     assert judge(out, out.clone()).ok
+
+
+def test_an_unwritable_json_path_is_refused_before_any_gpu_work(tmp_path, capsys, monkeypatch):
+    from kimi_k3_moe.bench import shapes
+    from kimi_k3_moe.cli import main
+
+    def no_gpu_work(why):
+        raise AssertionError("reached the GPU check before refusing --json")
+    monkeypatch.setattr(shapes, "require_gpu", no_gpu_work)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for bad, why in ((a_file / "sub" / "out.json", f"{a_file} is a file, not a folder"),
+                     (tmp_path, "Is a directory")):
+        assert main(["bench", "--shape", "tiny", "--json", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"kimi-k3-moe bench: error: --json {bad} cannot be written: {why}\n", err
+    good = tmp_path / "new" / "r.json"
+    assert report.require_writable(good) == good and not good.exists() and good.parent.is_dir()
+    assert a_file.read_text() == "x" and report.require_writable(a_file) == a_file and a_file.read_text() == "x"

@@ -103,6 +103,18 @@ def test_doctor_validates_settings_and_arguments():
     one_line_error(cli("doctor", "--config-only"), "doctor", "--config-only needs --model")
 
 
+def test_doctor_refuses_a_model_path_that_does_not_exist(tmp_path):
+    missing = tmp_path / "no-such-model"
+    for extra in ((), ("--config-only",)):
+        result = cli("doctor", "--model", missing, *extra)
+        one_line_error(result, "doctor", f"--model {missing} does not exist")
+        assert result.stdout == ""  # refused before the report, like any usage error
+    empty = tmp_path / "empty"
+    empty.mkdir()  # exists but holds no model: doctor's answer (1), not a usage error
+    assert doctor_problems(cli("doctor", "--model", empty)) == [f"CANNOT SERVE: model config {empty}: no config.json "
+                                                                f"at {empty / 'config.json'}"]
+
+
 def test_doctor_and_convert_refuse_a_model_without_moe_layers(model, tmp_path):
     cfg = json.loads((model / "config.json").read_text())
     cfg["text_config"]["first_k_dense_replace"] = 5

@@ -99,3 +99,57 @@ def test_budget_zero_leaves_packaged_configs_marked_untuned(tables, seed):
         assert row["tuned"] is False and row["note"] == "budget ran out"
         packaged = tt.MoEConfig.from_json(target.packaged(tier)["config"])
         assert tt.MoEConfig.from_json(row) == packaged
+
+
+class FirstFour(TritonTarget):
+    def candidates(self, tier, done):
+        return super().candidates(tier, done)[:4]
+
+
+class WallClock:
+    """The loop's clock, in fake seconds: each timed candidate costs `cost` (what a GPU spends compiling,
+    checking and replaying one); nothing else moves it."""
+
+    def __init__(self, cost: float):
+        self.now, self.cost = 0.0, cost
+
+    def __call__(self) -> float:
+        return self.now
+
+    def timer(self) -> FakeClock:
+        def timed(label):
+            self.now += self.cost
+            return 50.0 + len(label) % 7
+        return FakeClock(timed)
+
+
+def test_a_small_budget_is_shared_by_every_tier_and_exceeded_by_at_most_one_candidate(tables, seed):
+    """Before, the first tier spent the whole budget and the later tiers kept the packaged config untimed.
+    With 45 s at 10 s per candidate over three tiers: tier 1 has 15 s (2 candidates), tier 2 (45 - 20) / 2
+    (2), tier 3 the last 5 s (its packaged one, started before the budget ends). The real target, its
+    candidates cut to the first four (the packaged one first) to keep the interpreter's time down."""
+    tiers, cost, budget = [1, 2, 3], 10.0, 45.0
+    experts = random_experts(SHAPE.num_experts, SHAPE.hidden, SHAPE.inter, "cpu", torch.Generator().manual_seed(seed))
+    target = FirstFour(SHAPE, experts, SITU, identity=user_tables.device_identity(), tiers=tiers)
+    wall, state = WallClock(cost), tables / "fair.json"
+    result = tune(target, SITU, wall.timer(), budget_s=budget, state_path=state, device="cpu", seed=seed, clock=wall)
+    timed = {t: [o["label"] for o in result["outcomes"][str(t)].values() if o["status"] == TIMED] for t in tiers}
+    for tier in tiers:
+        assert timed[tier][0].endswith(" packaged"), timed  # the bar to beat, always measured
+        info = result["tiers"][tier]
+        assert info["tuned"] and info["partial"] and info["timed"] == len(timed[tier]) < info["candidates"]
+    assert [len(timed[t]) for t in tiers] == [2, 2, 1], timed
+    assert result["out_of_time"] and wall.now <= budget + cost
+
+    # resumed with 15 s: nothing measured again; tier 1 gets 5 s, tier 2 what is left of 15 after it, tier 3
+    # nothing (the budget has passed), and the table still says which tiers are partial
+    calls = []
+    run = target.runner
+    target.runner = lambda cand: calls.append(cand.label) or run(cand)
+    wall.now = 0.0
+    again = tune(target, SITU, wall.timer(), budget_s=15.0, state_path=state, device="cpu", seed=seed + 1,
+                 clock=wall)
+    assert again["resumed"] == sum(len(v) for v in result["outcomes"].values())
+    assert len(calls) == 2 and not set(calls) & {label for labels in timed.values() for label in labels}, calls
+    assert [again["tiers"][t]["timed"] for t in tiers] == [3, 3, 1] and wall.now <= 15.0 + cost
+    assert again["out_of_time"] and all(again["tiers"][t].get("partial") for t in tiers)
