@@ -63,7 +63,10 @@ class TritonTarget:
             b1, b2 = best(first, "s1"), best(first, "s2")
             if b1 is not None and b2 is not None:
                 out.append(self._cand(tier, replace(b1, stage2=b2.stage2), f"{tag} best s1 + best s2"))
-        return list({c.key: c for c in out}.values())
+        unique: dict[str, Candidate] = {}
+        for c in out:  # the first label wins: the packaged config stays "packaged" when a variant equals it
+            unique.setdefault(c.key, c)
+        return list(unique.values())
 
     def compile(self, cand: Candidate) -> tuple[bool, str]:
         """Build the launch plan (and, on a GPU, compile and run it once): invalid or spilling configs fail."""

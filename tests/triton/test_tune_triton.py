@@ -153,3 +153,16 @@ def test_a_small_budget_is_shared_by_every_tier_and_exceeded_by_at_most_one_cand
     assert len(calls) == 2 and not set(calls) & {label for labels in timed.values() for label in labels}, calls
     assert [again["tiers"][t]["timed"] for t in tiers] == [3, 3, 1] and wall.now <= 15.0 + cost
     assert again["out_of_time"] and all(again["tiers"][t].get("partial") for t in tiers)
+
+
+def test_the_packaged_config_keeps_its_label_when_a_variant_equals_it(seed, monkeypatch):
+    """On the H200 the packaged 4096-token config equals a stage-1 variant; the summary's
+    "x packaged" column found no packaged row because the variant's label had replaced it."""
+    target = make_target(seed)
+    tier = TIERS[-1]
+    variant = TritonTarget.candidates(target, tier, {})[-1]  # a variant, not the packaged config
+    monkeypatch.setattr(target, "packaged", lambda t: {"config": variant.config.to_json(), "source": "test"})
+    cands = TritonTarget.candidates(target, tier, {})
+    same = [c for c in cands if c.key == variant.key]
+    assert len(same) == 1 and same[0].label.endswith(" packaged"), [c.label for c in same]
+    assert len({c.key for c in cands}) == len(cands)
