@@ -89,7 +89,8 @@ class TritonTarget:
                 k = launch.kernel[launch.grid](**launch.args, num_warps=launch.num_warps,
                                                num_stages=launch.num_stages)
                 spills, regs = int(getattr(k, "n_spills", 0) or 0), int(getattr(k, "n_regs", 0) or 0)
-                if spills or regs >= REGISTER_MARGIN:
+                # the packaged config runs today whatever its registers: it is always the bar to beat
+                if (spills or regs >= REGISTER_MARGIN) and not cand.label.endswith(" packaged"):
                     return False, f"{launch.label}: {spills} spills, {regs} registers"
             torch.cuda.synchronize()
         except Exception as exc:
