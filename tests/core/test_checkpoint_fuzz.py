@@ -24,7 +24,7 @@ def load_all(path):
     cfg = K3MoEConfig.from_hf_config(path)
     reader = CheckpointReader(path)
     out = []
-    for layer in cfg.moe_layers():
+    for layer in cfg.require_moe_layers():  # as the loaders do: a config without MoE layers is refused
         experts = read_layer_experts(reader, layer, hidden_size=cfg.routed_expert_hidden_size,
                                      intermediate_size=cfg.moe_intermediate_size, num_experts=cfg.num_experts)
         validate_experts(experts, layer=f"layer {layer}", env={})
