@@ -20,7 +20,7 @@ GEMV_MAX_TOKENS = 16
 
 # (block_n, block_k, num_warps, num_stages[, order]), order True: interleave, False: word dots,
 # PAIRS: one dot per K step on the pair order; STACKED: the same on one stacked gate/up tile (the H200's winners at 16-256 tokens, 2026-12-01;
-# block_k 256 was faster still under Triton 3.6 but spills under 3.9). The GEMV path does its own
+# block_k 256 is faster still under Triton 3.6, the H200 table's; it spills under 3.9). The GEMV path does its own
 # one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
 GEMV_S1 = [(16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 512, 4, 1)]
 GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
