@@ -18,9 +18,11 @@ Bounds (docs/FORMATS.md, "Quantized activations"):
     (fp32 stage 1, intermediate quantized from fp32, bf16 slot outputs) only the
     code flips remain: an element whose fp32 sum, in the kernel's order, lands on
     the other side of a rounding boundary moves by one code step, at most 2^-3 of
-    itself in e4m3 but up to a third of its block's maximum in e2m1. fp8 1e-3
-    (measured 0..1.9e-4); fp4 1e-2 (0 in most runs; about 1 run in 40 has one flip,
-    measured 1.8e-3).
+    itself in e4m3 but up to a third of its block's maximum in e2m1. fp8 5e-3
+    (measured 0..1.9e-4 in most runs; CI seed 297103032 had two flips, pre-quantization
+    values -6.249996 and -1.6875019 against the e4m3 midpoints 6.25 and 1.6875, and
+    1.46e-3, above the former 1e-3); fp4 1e-2 (0 in most runs; about 1 run in 40 has
+    one flip, measured 1.8e-3).
   COST_BOUND: against the float64 reference without activation quantization, the
     price of the format: 2^-4 (fp8), 2^-2 (fp4); measured 4.6e-2..4.8e-2 and
     0.21..0.22.
@@ -44,7 +46,7 @@ from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
 from kimi_k3_moe.reference import dense_moe, relative_l2
 
 SAME_QUANT_BOUND = 1.5e-2
-FAITHFUL_BOUND = {"fp8": 1e-3, "fp4": 1e-2}
+FAITHFUL_BOUND = {"fp8": 5e-3, "fp4": 1e-2}
 COST_BOUND = {"fp8": 2 ** -4, "fp4": 2 ** -2}
 ACTS = ["fp8", "fp4"]
 E, H, I, T, K = 6, 256, 128, 40, 4
