@@ -16,6 +16,7 @@ from kimi_k3_moe.kernels.triton._details.fp8_decode import (decode_fp8_raw, join
                                                             load_fp8_weight_raw)
 from kimi_k3_moe.kernels.triton._details.fp8_numerics import (E4M3_MAX, div_rn, e4m3_encode, f8_operand,
                                                               f8_to_f32)
+from kimi_k3_moe.kernels.triton._details.matmul_kernels import acc_zeros
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
@@ -132,12 +133,8 @@ def stage1_fp8_aligned_kernel(
     up_rows = gate_rows + inter_size * stride_wn
     gate_d = d_ptr + e * stride_de + offs_n[:, None].to(tl.int64) * stride_dn
     up_d = gate_d + inter_size * stride_dn
-    if SWAP:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, hidden, BLOCK_K):
         wg, dg = load_fp8_weight_raw(gate_rows, gate_d, k0, mask_n, BLOCK_K)
         g0, g1, g2, g3, g4, g5, g6, g7 = decode_fp8_raw(wg, dg, lut_ptr, DECODE, BLOCK_N, BLOCK_K)
@@ -188,10 +185,7 @@ def stage2_fp8_aligned_kernel(
     a_rows = a_ptr + rows[:, None].to(tl.int64) * stride_am
     w_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     d_rows = d_ptr + e * stride_de + offs_n[:, None].to(tl.int64) * stride_dn
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, inter_size, BLOCK_K):
         w, d = load_fp8_weight_raw(w_rows, d_rows, k0, n_ok[:, None], BLOCK_K)
         v0, v1, v2, v3, v4, v5, v6, v7 = decode_fp8_raw(w, d, lut_ptr, DECODE, BLOCK_N, BLOCK_K)

@@ -19,6 +19,15 @@ from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
 
 @triton.jit
+def acc_zeros(ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """A zero fp32 accumulator for ROWS rows x BLOCK_N columns: [BLOCK_N, ROWS] when SWAP."""
+    if SWAP:
+        return tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    else:
+        return tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
 def _acc_dot(acc, xa, xb, wa, wb, SWAP: tl.constexpr):
     xa = dot_operand(xa)
     xb = dot_operand(xb)
@@ -67,10 +76,7 @@ def _gate_up_stacked(x_plain, row_ok, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr,
     mask = (n < inter_size)[:, None]
     rows = w_ptr + w_base + w_row * stride_wn
     so = s_base + w_row * stride_sn
-    if SWAP:
-        acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, 2 * BLOCK_N, SWAP)
     for k0 in range(0, hidden, BLOCK_K):
         x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
         v = load_weight_pairs(rows, s_ptr + so, o_ptr + so, k0, mask, FMT, HAS_OFFSETS, DECODE,
@@ -116,12 +122,8 @@ def _gate_up_pair(x_rows, x_words, x_plain, row_ok, ka, gate_rows, gate_s, gate_
                   SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Stage 1's K loop with separate gate and up tiles and accumulators, each returned [BLOCK_M, BLOCK_N]."""
-    if SWAP:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, hidden, BLOCK_K):
         if PAIRS:
             x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
@@ -250,10 +252,7 @@ def stage2_aligned_kernel(
     so = e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
     s_rows = s_ptr + so
     o_rows = o_ptr + so
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     a_words = a_rows + tl.arange(0, BLOCK_K // 8)[None, :]
     a_plain = a_rows + tl.arange(0, BLOCK_K)[None, :]
     for k0 in range(0, inter_size, BLOCK_K):
