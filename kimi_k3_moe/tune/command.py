@@ -106,6 +106,7 @@ def run_with_progress(target, activation, timer, budget_s, state, seed, device="
 
 
 def print_summary(result: dict) -> None:
+    from kimi_k3_moe.tune.loop import TIMED, is_packaged
     from rich.console import Console
     from rich.table import Table
     console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -114,7 +115,7 @@ def print_summary(result: dict) -> None:
         table.add_column(c)
     for tier, info in result["tiers"].items():
         packaged = [o.get("us") for o in result["outcomes"].get(str(tier), {}).values()
-                    if o["label"].endswith("packaged") and o["status"] == "timed"]
+                    if is_packaged(o["label"]) and o["status"] == TIMED]
         p_us = packaged[0] if packaged else None
         table.add_row(str(tier), "partial" if info.get("partial") else str(info["tuned"]),
                       f"{info['us']:.1f}" if "us" in info else "-", f"{p_us:.1f}" if p_us else "-",

@@ -30,6 +30,11 @@ from kimi_k3_moe.bench.data import random_hidden, random_routing
 from kimi_k3_moe.reference import dense_moe
 
 SKIPPED, REJECTED, TIMED, FAILED = "skipped", "rejected", "timed", "failed"
+PACKAGED = "packaged"  # last word of the label of a tier's packaged config, the bar its candidates must beat
+
+
+def is_packaged(label: str) -> bool:
+    return label.endswith(f" {PACKAGED}")
 
 
 @dataclass(frozen=True)
