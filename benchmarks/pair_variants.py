@@ -100,7 +100,7 @@ def main() -> int:
     routed = s.get("routed_experts", e)
     from kimi_k3_moe.bench.data import expert_map_for
     emap = expert_map_for(routed, e, "cuda") if routed != e else None
-    variants = ep_candidates if emap is not None else (lambda base, t, h, i: candidates(base, t, h, i))
+    variants = ep_candidates if emap is not None else candidates
     info = env_info()
     bw = copy_bandwidth_gbps()
     log(f"copy bandwidth {bw:.0f} GB/s")

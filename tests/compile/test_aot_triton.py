@@ -14,6 +14,7 @@ in build/aot_triton_report.json and docs/TRITON.md quotes it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -32,9 +33,13 @@ SHARED_LIMIT = {"sm_90": 227 * 1024, "gfx942": 64 * 1024, "gfx950": 160 * 1024}
 SITU = ("situv2", 4.0, 25.0)
 REPORT = Path(os.environ.get("KIMI_K3_MOE_AOT_REPORT", "build/aot_triton_report.json"))
 WORKERS = int(os.environ.get("KIMI_K3_MOE_AOT_WORKERS", "2"))
+TABLES = Path(str(resources.files("kimi_k3_moe.configs").joinpath("tables")))
 
 
-TABLE_TRITON: dict[str, str] = {}  # table stem -> the Triton version its entries were tuned with
+@functools.cache
+def tuned_triton(stem: str) -> str:
+    """The Triton version a shipped device table's entries were tuned with ("" if unstated)."""
+    return json.loads((TABLES / f"{stem}.json").read_text()).get("tuned_with", {}).get("triton", "")
 
 
 def _minor(version: str) -> str:
@@ -49,7 +54,7 @@ def same_triton(origin: str) -> bool:
     runs this suite a second time with that Triton (`test-compile-triton`)."""
     import triton
     stem = origin.split()[0]
-    return stem not in TABLE_TRITON or _minor(TABLE_TRITON[stem]) == _minor(triton.__version__)
+    return origin.startswith("heuristic") or _minor(tuned_triton(stem)) == _minor(triton.__version__)
 
 
 def runs_on(target: str, origin: str) -> bool:
@@ -65,10 +70,8 @@ def runs_on(target: str, origin: str) -> bool:
 def table_configs():
     """(fmt, E, H, I, MoEConfig, origin) for every tier of every shipped table, plus the heuristic."""
     out = []
-    folder = Path(str(resources.files("kimi_k3_moe.configs").joinpath("tables")))
-    for path in sorted(folder.glob("triton_*.json")):
+    for path in sorted(TABLES.glob("triton_*.json")):
         table = json.loads(path.read_text())
-        TABLE_TRITON[path.stem] = table.get("tuned_with", {}).get("triton", "")
         for key, entry in table["entries"].items():
             fmt, shape = key.split("/")
             e, n, k = (int(x[1:]) for x in shape.split("_"))
