@@ -78,7 +78,7 @@ def ep_candidates(base: MoEConfig, tokens: int, hidden: int, inter: int) -> dict
 
 
 def main() -> int:
-    from _common import (K3_TOPK, SHAPES, ColdL2Timer, Recipe, copy_bandwidth_gbps, env_info, log,
+    from _common import (K3_TOPK, ColdL2Timer, Recipe, copy_bandwidth_gbps, env_info, log,
                          mxfp4_bytes_per_expert, precompile, random_experts, random_hidden, random_routing,
                          write_json)
     import torch
@@ -95,11 +95,11 @@ def main() -> int:
     ap.add_argument("--out", default="results/pair_variants.json")
     args = ap.parse_args()
     situ = ActivationSpec.situv2(4.0, 25.0)
-    s = SHAPES[args.shape]
-    e, h, i = s["num_experts"], s["hidden"], s["inter"]
-    routed = s.get("routed_experts", e)
     from kimi_k3_moe.bench.data import expert_map_for
-    emap = expert_map_for(routed, e, "cuda") if routed != e else None
+    from kimi_k3_moe.bench.shapes import parse_shape
+    s = parse_shape(args.shape)  # EP shapes: this rank holds held_experts of the num_experts routed over
+    e, h, i, routed = s.held_experts, s.hidden, s.inter, s.num_experts
+    emap = expert_map_for(routed, e, "cuda") if s.is_ep else None
     variants = ep_candidates if emap is not None else candidates
     info = env_info()
     bw = copy_bandwidth_gbps()
@@ -146,7 +146,7 @@ def main() -> int:
             rows.append(row)
             log(f"{fmt} T={t}: floor {floor:.1f} table {row.get('table_us', float('nan')):.1f} "
                 f"best {best} {timed[best]:.1f} ({timed[best] / floor:.2f}x floor)")
-            write_json(args.out, {"info": info, "copy_bw_GBps": bw, "shape": s, "rows": rows})
+            write_json(args.out, {"info": info, "copy_bw_GBps": bw, "shape": s.to_json(), "rows": rows})
     return 0
 
 
