@@ -32,7 +32,7 @@ from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.kernels.triton.probe import decode_rows  # noqa: E402
 from kimi_k3_moe.reference import dense_moe, relative_l2  # noqa: E402
-from kimi_k3_moe.experts import Int4Experts# noqa: E402
+from kimi_k3_moe.experts import ExpertWeights, Int4Experts  # noqa: E402
 from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
 
 TOLERANCE = 1e-2
@@ -154,17 +154,23 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
     # backend takes pre-converted experts of its own method only
     prepared["int4+offsets"] = get_backend("triton", weight_format="int4", int4_method="asym").prepare(offsets)
     del converted, offsets
+    # one e8m0 byte above MXFP4_FOLD_MAX_SCALE sends the whole layer to the two-multiply PTX decoder
+    wide_scale = experts.w13_scale.clone()
+    wide_scale[0, 0, 0] = 140
+    prepared["mxfp4-wide"] = backends["mxfp4"].prepare(
+        ExpertWeights(experts.w13_packed, wide_scale, experts.w2_packed, experts.w2_scale))
+    chk.record(prepared["mxfp4-wide"].wide_scales and not prepared["mxfp4"].wide_scales, check="wide_scales")
     log("prepared", {k: f"{v.nbytes / 1e9:.2f} GB" for k, v in prepared.items()})
 
     # Decoders alone: every element of a few rows, bit for bit.
     for fmt, p in prepared.items():
-        real_fmt = "mxfp4" if fmt == "mxfp4" else "int4"
+        real_fmt = "mxfp4" if fmt.startswith("mxfp4") else "int4"
         for decode in (("ptx", "bits") if dev == "cuda" else ("bits",)):
             for ex in (0, e // 2 + 1):
                 rows = slice(0, min(256, p.w13.shape[1]))
                 got = decode_rows(p.w13[ex, rows], p.w13_scale[ex, rows],
                                   None if p.w13_offset is None else p.w13_offset[ex, rows], real_fmt, decode,
-                                  block_k=128)
+                                  block_k=128, wide_scales=p.wide_scales)
                 want = backends[real_fmt].dequantize_prepared(p, ex)[0][rows]
                 want_bf16 = want.bfloat16().float()  # the kernels feed bf16 to the dot
                 bad = int((got != want_bf16).sum())
@@ -256,6 +262,18 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
         out = run_once(be, prepared["mxfp4"], hidden, weights, ids, SITU, emap)
         chk.record(relative_l2(out.float(), ref) <= TOLERANCE, check="expert_map", tokens=t, variant=label,
                    rel_l2=relative_l2(out.float(), ref))
+
+    # MXFP4 with a scale above 2: the two-multiply decoder through every path of the table.
+    p = prepared["mxfp4-wide"]
+    cache = dequantized_cache(backends["mxfp4"], p, torch.bfloat16)
+    for t in (3, 64, 1024):
+        hidden = random_hidden(t, h, dev, gen)
+        weights, ids = random_routing(t, e, topk, dev, gen)
+        ref = reference(cache, hidden, weights, ids, SITU)
+        out = run_once(backends["mxfp4"], p, hidden, weights, ids, SITU)
+        chk.record(relative_l2(out.float(), ref) <= TOLERANCE, check="mxfp4-wide-scales", tokens=t,
+                   rel_l2=relative_l2(out.float(), ref))
+    del cache
 
     # int4 with per-group offsets (asymmetric conversions).
     p = prepared["int4+offsets"]

@@ -8,7 +8,7 @@ import torch
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.kernels.triton import layout
-from kimi_k3_moe.kernels.triton._details import decode
+from kimi_k3_moe.kernels.triton._details import constants as C, decode
 
 
 def all_bytes(rows=4):
@@ -27,12 +27,13 @@ def test_word_layout_roundtrips(fmt, gen):
 
 def test_word_layout_bit_positions():
     """Element j of a word, set alone to code 0xF, lands where docs/TRITON.md says."""
+    mxfp4_mag, mxfp4_sign = (6, 22, 3, 19, 0, 16, 13, 29), (11, 27, 12, 28, 9, 25, 10, 26)
     for j in range(8):
         codes = torch.zeros(8, dtype=torch.uint8)
         codes[j] = 0xF
         packed = mxfp4.pack_nibbles(codes)
         for fmt, expected in (
-            ("mxfp4", (7 << (3 * (j // 2) + 16 * (j % 2))) | (1 << (12 + j // 2 + 16 * (j % 2)))),
+            ("mxfp4", (7 << mxfp4_mag[j]) | (1 << mxfp4_sign[j])),
             ("int4", 0xF << (4 * (j // 2) + 16 * (j % 2))),
         ):
             word = layout.to_word_layout(packed, fmt).view(torch.int32).item() & 0xFFFFFFFF
@@ -101,18 +102,44 @@ def _pair(bits: int) -> int:
     return bits | (bits << 16)
 
 
-def test_ptx_mxfp4_decoder_gives_every_code_exactly(gen):
+@pytest.mark.parametrize("wide", [False, True], ids=["scales-to-2", "wide-scales"])
+def test_ptx_mxfp4_decoder_gives_every_code_exactly(wide, gen):
+    """Both PTX variants against the float table, with the factor the kernel passes in $9: the
+    one-multiply decoder for e8m0 bytes up to MXFP4_FOLD_MAX_SCALE, the two-multiply one for any."""
     codes = torch.cat([torch.arange(16, dtype=torch.uint8).repeat_interleave(8).reshape(16, 8),
                        torch.randint(0, 16, (48, 8), generator=gen, dtype=torch.uint8)])
     words = layout._words_from_codes(codes, "mxfp4").view(torch.int32).reshape(-1)
-    scale_bytes = torch.cat([torch.tensor([0, 1, 127, 252]), torch.randint(100, 140, (60,), generator=gen)])
+    top = 254 if wide else C.MXFP4_FOLD_MAX_SCALE
+    edges = [0, 1, 2, 127, 128] + ([129, 200, 252, 254] if wide else [126])
+    scale_bytes = torch.cat([torch.tensor(edges), torch.randint(100, top + 1, (64 - len(edges),), generator=gen)])
+    asm = (decode.E2M1_WIDE_WORD_PTX if wide else decode.E2M1_WORD_PTX).value
     for word, row, b in zip(words.tolist(), codes, scale_bytes.tolist()):
-        half = 0x40 if b == 0 else b << 7  # what load_weight_words passes in $9
-        got = [_bf16_to_float(v) for v in run_ptx(decode.E2M1_WORD_PTX.value, word, _pair(half))]
+        # what decode_weight_raw passes in $9
+        factor = _pair(0x40 if b == 0 else b << 7) if wide else b * 0x00800080 + 0x3F003F00
+        got = [_bf16_to_float(v) for v in run_ptx(asm, word, factor)]
         scale = mxfp4.e8m0_to_float(torch.tensor([b], dtype=torch.uint8)).double()
         want = (mxfp4.e2m1_table()[row.long()].double() * scale).bfloat16().double().tolist()
         assert got == want, (hex(word & 0xFFFFFFFF), b, got, want)
         assert all(math.copysign(1, g) == math.copysign(1, w) for g, w in zip(got, want) if g == 0)
+
+
+def test_one_multiply_factor_is_a_normal_bf16_exactly_up_to_the_fold_limit():
+    for b in range(C.MXFP4_FOLD_MAX_SCALE + 1):
+        f = b * 0x00800080 + 0x3F003F00
+        assert f >> 16 == f & 0xFFFF and _bf16_to_float(f & 0xFFFF) == 2.0 ** (b - 1), b
+    assert (C.MXFP4_FOLD_MAX_SCALE + 127) << 7 == 0x7F80  # the next byte's factor would be inf
+
+
+def test_layout_bits_tile_the_word_and_give_each_pair_its_bf16_bits():
+    """Every bit of a word belongs to one element; pair j's shift puts both its magnitudes at bf16
+    bits 6-8 and both signs at bit 15 (what E2M1_WORD_PTX's shifts assume)."""
+    bits = sorted([m + i for m in C.MXFP4_MAG_BIT for i in range(3)] + list(C.MXFP4_SIGN_BIT))
+    assert bits == list(range(32))
+    mag_shift, sign_shift = (0, 3, 6, -7), (4, 3, 6, 5)  # shl, or shr when negative
+    for j in range(4):
+        for half, e in ((0, 2 * j), (16, 2 * j + 1)):
+            assert C.MXFP4_MAG_BIT[e] + mag_shift[j] == 6 + half
+            assert C.MXFP4_SIGN_BIT[e] + sign_shift[j] == 15 + half
 
 
 @pytest.mark.parametrize("asym", [False, True], ids=["symmetric", "offsets"])

@@ -6,8 +6,8 @@ holds the 8 consecutive K elements v0..v7 of one row. The order is chosen so
 that a few shifts and masks per word yield bf16 *pairs* (v0,v1), (v2,v3),
 (v4,v5), (v6,v7) with no per-element work (see `_details/decode.py`):
 
-* MXFP4 word: for j in 0..3, v(2j) keeps its 3 magnitude bits at bits 3j..3j+2
-  and its sign at bit 12+j; v(2j+1) the same 16 bits higher.
+* MXFP4 word: v_j's 3 magnitude bits start at bit `MXFP4_MAG_BIT[j]` and its sign
+  is at `MXFP4_SIGN_BIT[j]` (`_details/constants.py`, which says why those bits).
 * int4 word: v(2j) is the nibble at bits 4j, v(2j+1) the nibble at bits 16+4j.
 
 Scales (e8m0 bytes for MXFP4, bf16 scales and optional offsets for int4) keep
@@ -23,13 +23,14 @@ import torch
 
 from kimi_k3_moe.experts import KINDS, MXFP4, ExpertWeights, Int4Experts, Layout, PackedExperts
 from kimi_k3_moe.formats import int4, mxfp4
+from kimi_k3_moe.kernels.triton._details import constants as C
 
 WEIGHT_FORMATS = KINDS
 WORD = 8  # K elements per 32-bit word
 
 # bit offsets inside a word of element v0..v7
-_MXFP4_MAG_SHIFT = tuple(3 * (j // 2) + 16 * (j % 2) for j in range(WORD))
-_MXFP4_SIGN_SHIFT = tuple(12 + j // 2 + 16 * (j % 2) for j in range(WORD))
+_MXFP4_MAG_SHIFT = C.MXFP4_MAG_BIT
+_MXFP4_SIGN_SHIFT = C.MXFP4_SIGN_BIT
 _INT4_SHIFT = tuple(4 * (j // 2) + 16 * (j % 2) for j in range(WORD))
 
 
@@ -112,6 +113,16 @@ class TritonExperts(PackedExperts):
     scales and offsets as the formats hold them (`experts.PackedExperts`)."""
 
     layout: ClassVar[Layout] = WordLayout()
+    # whether an MXFP4 scale exceeds 2 (e8m0 byte above MXFP4_FOLD_MAX_SCALE): the PTX decoder then
+    # multiplies twice (DECODE_PTX_WIDE); read off the scales once here, at load, so no forward syncs
+    wide_scales: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.wide_scales is None:
+            self.wide_scales = self.fmt == MXFP4 and any(
+                not s.is_meta and s.numel() and int(s.max()) > C.MXFP4_FOLD_MAX_SCALE
+                for s in (self.w13_scale, self.w2_scale))
 
 
 def from_mxfp4(w13_packed, w13_scale, w2_packed, w2_scale) -> TritonExperts:

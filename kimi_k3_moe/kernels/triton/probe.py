@@ -5,15 +5,18 @@ import torch
 
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton.launch import cdiv
+from kimi_k3_moe.kernels.triton.stage1 import DECODE_CODES, decode_code
 from kimi_k3_moe.experts import MXFP4
-
-_DECODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
 
 
 def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, fmt: str,
-                decode: str = "bits", block_n: int = 16, block_k: int = 64, pairs: bool = False) -> torch.Tensor:
+                decode: str = "bits", block_n: int = 16, block_k: int = 64, pairs: bool = False,
+                wide_scales: bool | None = None) -> torch.Tensor:
     """[rows, K/2] word-layout codes (+ scales, offsets) -> fp32 [rows, K], through the kernels' decoder
-    (pairs: the pair-order tile of the one-dot kernels, else the two regrouped halves)."""
+    (pairs: the pair-order tile of the one-dot kernels, else the two regrouped halves; wide_scales:
+    the layer's TritonExperts.wide_scales, None to read it off these scales)."""
+    if wide_scales is None:
+        wide_scales = fmt == MXFP4 and scales.numel() > 0 and int(scales.max()) > C.MXFP4_FOLD_MAX_SCALE
     from kimi_k3_moe.kernels.triton._details.probe_kernels import decode_probe_kernel
     rows, half = words.shape
     k = half * 2
@@ -23,7 +26,7 @@ def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     decode_probe_kernel[(cdiv(rows, block_n),)](
         words.contiguous(), scales.contiguous(), (scales if offsets is None else offsets).contiguous(), out,
         rows, k, FMT=C.FMT_MXFP4 if fmt == MXFP4 else C.FMT_INT4, HAS_OFFSETS=offsets is not None,
-        DECODE=_DECODES[decode], BLOCK_N=block_n, BLOCK_K=block_k, PAIRS=pairs)
+        DECODE=decode_code(decode, wide_scales), BLOCK_N=block_n, BLOCK_K=block_k, PAIRS=pairs)
     return out
 
 
@@ -38,5 +41,5 @@ def decode_fp8_rows(words: torch.Tensor, shifts: torch.Tensor, lut: torch.Tensor
         raise ValueError(f"K = {k} is not a multiple of block_k = {block_k}")
     out = torch.empty(rows, k, dtype=torch.uint8, device=words.device)
     fp8_decode_probe_kernel[(cdiv(rows, block_n),)](words.contiguous(), shifts.contiguous(), lut, out, rows, k,
-                                                    DECODE=_DECODES[decode], BLOCK_N=block_n, BLOCK_K=block_k)
+                                                    DECODE=DECODE_CODES[decode], BLOCK_N=block_n, BLOCK_K=block_k)
     return out

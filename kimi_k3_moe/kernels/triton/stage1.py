@@ -21,6 +21,13 @@ from kimi_k3_moe.kernels.triton.layout import TritonExperts
 DECODE_CODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
 
 
+def decode_code(decode: str, wide_scales: bool) -> int:
+    """The kernels' DECODE for a config's decoder name: "ptx" on MXFP4 weights with a scale above 2
+    needs the two-multiply variant (TritonExperts.wide_scales)."""
+    code = DECODE_CODES[decode]
+    return C.DECODE_PTX_WIDE if code == C.DECODE_PTX and wide_scales else code
+
+
 def activation_args(activation: ActivationSpec) -> dict:
     """ACT (compiled in) and the betas (runtime fp32): see _details/activation.py."""
     if not isinstance(activation, ActivationSpec):
@@ -75,7 +82,7 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
                 sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
                 num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
-                TOPK=topk, DECODE=DECODE_CODES[decode], SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
+                TOPK=topk, DECODE=decode_code(decode, experts.wide_scales), SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
                 PAIRS=cfg.pairs, BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs,
                 STACK_GATE_UP=cfg.stack_gate_up)
@@ -96,7 +103,7 @@ def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Te
                 inter_ptr=inter, stride_im=inter.stride(0),
                 ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
-                TOPK=topk, HAS_MAP=expert_map is not None, DECODE=DECODE_CODES[decode],
+                TOPK=topk, HAS_MAP=expert_map is not None, DECODE=decode_code(decode, experts.wide_scales),
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k)
     grid = (num_pairs, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_gemv_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.gemv")

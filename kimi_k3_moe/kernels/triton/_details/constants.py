@@ -4,7 +4,19 @@ FMT_MXFP4 = 0
 FMT_INT4 = 1
 
 DECODE_BITS = 0  # portable Triton integer/float ops, one element at a time
-DECODE_PTX = 1   # inline PTX producing bf16 pairs (NVIDIA sm_80+)
+DECODE_PTX = 1   # inline PTX producing bf16 pairs (NVIDIA sm_80+); MXFP4: one multiply, scales <= 2
+DECODE_PTX_WIDE = 2  # the same for MXFP4 weights with a scale above 2: two multiplies
+
+# MXFP4 word layout (layout.py writes it, decode.py reads it): bit of the lowest magnitude bit and
+# of the sign of element v0..v7. Pair j = (v2j, v2j+1) must end as two bf16 halves with the
+# magnitude at bits 6-8 and the sign at 15; these positions get pairs 1 and 2 there with one shift
+# and one mask, pairs 0 and 3 with two (4 tiles of {6,7,8,15} cannot partition 16 bits, so no
+# layout does all four with one): 5 shifts and 6 logic ops per word of 8 weights.
+MXFP4_MAG_BIT = (6, 22, 3, 19, 0, 16, 13, 29)
+MXFP4_SIGN_BIT = (11, 27, 12, 28, 9, 25, 10, 26)
+# DECODE_PTX multiplies the placed bits (2^-126 times the e2m1 value) by 2^(b-1) in one bf16x2
+# multiply; that factor is a normal bf16 up to e8m0 byte 128 (scale 2, weights up to 12)
+MXFP4_FOLD_MAX_SCALE = 128
 
 ACT_SILU = 0
 ACT_SITU = 1            # SiTUv2 with a linear beta

@@ -11,7 +11,8 @@ the compiler gives the tile; kernels that multiply the eight slots separately
 
 Two decoders read the same bits:
 * DECODE_PTX: inline PTX, one word -> four bf16 pairs with shifts, masks and
-  bf16x2 FMAs (by 2^126, then by the e8m0 scale); NVIDIA sm_80+.
+  one bf16x2 multiply per pair (MXFP4: by 2^126 times the e8m0 scale, for scales up
+  to 2; DECODE_PTX_WIDE multiplies by 2^126 and by the scale apart); NVIDIA sm_80+.
 * DECODE_BITS: plain Triton integer and fp32 ops per element (any target, the
   interpreter included).
 """
@@ -27,50 +28,53 @@ FMT_MXFP4 = tl.constexpr(C.FMT_MXFP4)
 FMT_INT4 = tl.constexpr(C.FMT_INT4)
 DECODE_BITS = tl.constexpr(C.DECODE_BITS)
 DECODE_PTX = tl.constexpr(C.DECODE_PTX)
+DECODE_PTX_WIDE = tl.constexpr(C.DECODE_PTX_WIDE)
+MAG0, MAG1, MAG2, MAG3, MAG4, MAG5, MAG6, MAG7 = (tl.constexpr(b) for b in C.MXFP4_MAG_BIT)
+SIGN0, SIGN1, SIGN2, SIGN3, SIGN4, SIGN5, SIGN6, SIGN7 = (tl.constexpr(b) for b in C.MXFP4_SIGN_BIT)
 # bf16x2 -0.0: adding it leaves q * s (rounded once) as it is, signed zeros included
 NEG_ZERO_PAIR = tl.constexpr(-2147450880)  # 0x80008000 as int32
 
-# One 32-bit word of the word layout ($8) -> eight bf16 outputs $0..$7 = v0..v7.
-# tests/triton/test_layout.py runs these strings through a small PTX emulator.
-# MXFP4: each pair's bits are masked into place as bf16 numbers 2^-126 times too
-# small (exact; subnormal for codes 0 and 0.5), one bf16x2 FMA by 2^126 fixes the
-# exponent and a second multiplies by the pair of e8m0 scales ($9, bf16x2).
-E2M1_WORD_PTX = tl.constexpr("""
-        {
-        .reg .b32 a, b, c, d, e, m0, m1, m2, m3, s0, s1, s2, s3, bias, nz;
+# One 32-bit word of the MXFP4 word layout ($8; bits in constants.MXFP4_MAG_BIT / _SIGN_BIT)
+# -> eight bf16 outputs $0..$7 = v0..v7. tests/triton/test_layout.py runs these strings
+# through a small PTX emulator. Each pair's bits are shifted and masked into place as bf16
+# numbers 2^-126 times too small (exact; subnormal for codes 0 and 0.5); one bf16x2 FMA
+# (with -0, so a multiply) by $9 = 2^(b-1) per half (b: the e8m0 byte) gives the weight,
+# rounded once. WIDE (a scale above 2, where 2^(b-1) is no bf16): first by 2^126, then
+# by $9 = 2^(b-127), the same single rounding.
+def _e2m1_word_ptx(wide: bool) -> str:
+    unbias = "".join(f"\n        fma.rn.bf16x2 m{j}, m{j}, bias, nz;" for j in range(4)) if wide else ""
+    return f"""
+        {{
+        .reg .b32 a, b, c, d, e, m0, m1, m2, m3, s0, s3, bias, nz;
         mov.b32 bias, 0x7E807E80;
         mov.b32 nz, 0x80008000;
-        shl.b32 a, $8, 6;
+        shl.b32 a, $8, 4;
         shl.b32 b, $8, 3;
-        shl.b32 c, $8, 2;
-        shl.b32 d, $8, 1;
-        shr.u32 e, $8, 3;
-        and.b32 m2, $8, 0x01C001C0;
-        and.b32 s3, $8, 0x80008000;
-        and.b32 m0, a, 0x01C001C0;
-        and.b32 s0, b, 0x80008000;
-        and.b32 m1, b, 0x01C001C0;
-        and.b32 s1, c, 0x80008000;
-        and.b32 s2, d, 0x80008000;
-        and.b32 m3, e, 0x01C001C0;
+        shl.b32 c, $8, 6;
+        shr.u32 d, $8, 7;
+        shl.b32 e, $8, 5;
+        and.b32 m0, $8, 0x01C001C0;
+        and.b32 s0, a, 0x80008000;
+        and.b32 m1, b, 0x81C081C0;
+        and.b32 m2, c, 0x81C081C0;
+        and.b32 m3, d, 0x01C001C0;
+        and.b32 s3, e, 0x80008000;
         or.b32 m0, m0, s0;
-        or.b32 m1, m1, s1;
-        or.b32 m2, m2, s2;
-        or.b32 m3, m3, s3;
-        fma.rn.bf16x2 m0, m0, bias, nz;
-        fma.rn.bf16x2 m1, m1, bias, nz;
-        fma.rn.bf16x2 m2, m2, bias, nz;
-        fma.rn.bf16x2 m3, m3, bias, nz;
+        or.b32 m3, m3, s3;{unbias}
         fma.rn.bf16x2 m0, m0, $9, nz;
         fma.rn.bf16x2 m1, m1, $9, nz;
         fma.rn.bf16x2 m2, m2, $9, nz;
         fma.rn.bf16x2 m3, m3, $9, nz;
-        mov.b32 {$0, $1}, m0;
-        mov.b32 {$2, $3}, m1;
-        mov.b32 {$4, $5}, m2;
-        mov.b32 {$6, $7}, m3;
-        }
-        """)
+        mov.b32 {{$0, $1}}, m0;
+        mov.b32 {{$2, $3}}, m1;
+        mov.b32 {{$4, $5}}, m2;
+        mov.b32 {{$6, $7}}, m3;
+        }}
+        """
+
+
+E2M1_WORD_PTX = tl.constexpr(_e2m1_word_ptx(wide=False))
+E2M1_WIDE_WORD_PTX = tl.constexpr(_e2m1_word_ptx(wide=True))
 # int4: nibble n of a pair -> bf16 0x4300 | (n ^ 8) = 136 + q exactly; an FMA
 # subtracts 136, leaving q in [-8, 7] exactly; a second bf16x2 FMA by the scale
 # pair ($9) plus the offset pair ($10; -0.0 when symmetric) rounds once, as the
@@ -146,11 +150,16 @@ def _interleave4(v0, v1, v2, v3, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _ptx_e2m1_word(w, scale_pair):
-    # w: int32 words; scale_pair: int32, the word's bf16 scale in both halves
-    return tl.inline_asm_elementwise(
-        asm=E2M1_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, scale_pair],
-        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+def _ptx_e2m1_word(w, factor_pair, WIDE: tl.constexpr):
+    # w: int32 words; factor_pair: int32, the word's bf16 factor ($9 above) in both halves
+    if WIDE:
+        return tl.inline_asm_elementwise(
+            asm=E2M1_WIDE_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, factor_pair],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            asm=E2M1_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, factor_pair],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -209,24 +218,29 @@ def decode_weight_raw(w, s, o, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DEC
     the compiler lays the tile out in registers."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     tl.static_assert(FMT == FMT_MXFP4 or FMT == FMT_INT4, "unknown weight format")
-    tl.static_assert(DECODE == DECODE_BITS or DECODE == DECODE_PTX, "unknown decoder")
+    tl.static_assert(DECODE == DECODE_BITS or DECODE == DECODE_PTX or DECODE == DECODE_PTX_WIDE,
+                     "unknown decoder")
     if FMT == FMT_MXFP4:
         if DECODE == DECODE_PTX:
+            # bf16 bits of 2^(b-1) in both halves: (b + 126) << 7, no carry across for b <= 128
+            pair = _group_broadcast(s.to(tl.int32) * 0x00800080 + 0x3F003F00, BLOCK_N, GROUPS, 4)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, False)
+        elif DECODE == DECODE_PTX_WIDE:
             b = s.to(tl.int32)
             half = tl.where(b == 0, 0x40, b << 7)  # bf16 bits of 2^(b-127)
             pair = _group_broadcast(half | (half << 16), BLOCK_N, GROUPS, 4)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, True)
         else:
             sw = _group_broadcast(_e8m0_to_f32(s), BLOCK_N, GROUPS, 4)
-            v0 = to_bf16(_e2m1_at(w, 0, 12) * sw)
-            v1 = to_bf16(_e2m1_at(w, 16, 28) * sw)
-            v2 = to_bf16(_e2m1_at(w, 3, 13) * sw)
-            v3 = to_bf16(_e2m1_at(w, 19, 29) * sw)
-            v4 = to_bf16(_e2m1_at(w, 6, 14) * sw)
-            v5 = to_bf16(_e2m1_at(w, 22, 30) * sw)
-            v6 = to_bf16(_e2m1_at(w, 9, 15) * sw)
-            v7 = to_bf16(_e2m1_at(w, 25, 31) * sw)
-    elif DECODE == DECODE_PTX:
+            v0 = to_bf16(_e2m1_at(w, MAG0, SIGN0) * sw)
+            v1 = to_bf16(_e2m1_at(w, MAG1, SIGN1) * sw)
+            v2 = to_bf16(_e2m1_at(w, MAG2, SIGN2) * sw)
+            v3 = to_bf16(_e2m1_at(w, MAG3, SIGN3) * sw)
+            v4 = to_bf16(_e2m1_at(w, MAG4, SIGN4) * sw)
+            v5 = to_bf16(_e2m1_at(w, MAG5, SIGN5) * sw)
+            v6 = to_bf16(_e2m1_at(w, MAG6, SIGN6) * sw)
+            v7 = to_bf16(_e2m1_at(w, MAG7, SIGN7) * sw)
+    elif DECODE != DECODE_BITS:
         sp = _group_broadcast(_bf16_pair(s), BLOCK_N, GROUPS, 4)
         if HAS_OFFSETS:
             op = _group_broadcast(_bf16_pair(o), BLOCK_N, GROUPS, 4)

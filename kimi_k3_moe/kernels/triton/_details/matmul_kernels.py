@@ -223,7 +223,7 @@ def stage1_aligned_kernel(
 def stage2_aligned_kernel(
     inter_ptr, stride_im,
     w_ptr, stride_we, stride_wn,
-    s_ptr, stride_se, stride_sn,
+    s_ptr, stride_se, stride_sn: tl.constexpr,
     o_ptr,
     y_ptr, stride_ym,
     topk_w_ptr,
