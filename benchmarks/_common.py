@@ -82,7 +82,6 @@ class Recipe:
     config: str         # MoEConfig as JSON
     offsets: bool = False
     expert_map: bool = False
-    act_dtype: str = "bf16"   # "fp8": the e4m3-activation kernels (MXFP4 weights)
 
 
 def _build_plan(recipe: Recipe, device="cuda"):
@@ -99,8 +98,9 @@ def _build_plan(recipe: Recipe, device="cuda"):
     w13, s13 = side(2 * i, h)
     w2, s2 = side(h, i)
     off = recipe.offsets and recipe.fmt == "int4"
+    # the scales are not read (empty memory): compile what weights with scales up to 2 run
     experts = TritonExperts(recipe.fmt, w13, s13, w2, s2, torch.empty_like(s13) if off else None,
-                            torch.empty_like(s2) if off else None)
+                            torch.empty_like(s2) if off else None, wide_scales=False)
     t = recipe.num_tokens
     hidden = torch.empty(t, h, dtype=torch.bfloat16, device=device)
     ids = torch.zeros(t, recipe.topk, dtype=torch.int32, device=device)
@@ -108,11 +108,6 @@ def _build_plan(recipe: Recipe, device="cuda"):
     emap = torch.zeros(e, dtype=torch.int32, device=device) if recipe.expert_map else None
     act = ActivationSpec(*recipe.act)
     cfg = MoEConfig.from_json(json.loads(recipe.config))
-    if recipe.act_dtype == "fp8":
-        from kimi_k3_moe.kernels.triton.aot import meta_fp8_experts
-        from kimi_k3_moe.kernels.triton.fp8_moe import plan_moe_fp8
-        return plan_moe_fp8(meta_fp8_experts(e, h, i, device), hidden, weights, ids, act, emap,
-                            torch.empty_like(hidden), cfg)
     return plan_moe(experts, hidden, weights, ids, act, emap, torch.empty_like(hidden), cfg)
 
 

@@ -5,10 +5,9 @@ The project's benchmark and the user's command are one implementation
 against the float reference before it is timed). This keeps the old flags:
 
     python benchmarks/bench_moe.py [--tokens 1,4,16,64,256,1024,4096,16384] [--peer-path .peer]
-    python benchmarks/bench_moe.py --formats mxfp4,int4 --act-dtypes bf16,fp8 --peers humming,triton_kernels
+    python benchmarks/bench_moe.py --formats mxfp4,int4 --peers humming,triton_kernels
 
-fp8 rows are MXFP4 weights with e4m3 activations (Hopper); their floor is the
-bf16 one. Humming runs where `humming-kernels` is importable (see gpu_bench.sh).
+Humming runs where `humming-kernels` is importable (see gpu_bench.sh).
 """
 from __future__ import annotations
 
@@ -25,15 +24,12 @@ def main() -> int:
     ap.add_argument("--tokens", default="1,4,16,64,256,1024,4096,16384")
     ap.add_argument("--shape", default="tp8")
     ap.add_argument("--formats", default="mxfp4,int4")
-    ap.add_argument("--act-dtypes", default="bf16", help="bf16 and/or fp8 (fp8: MXFP4 weights only)")
     ap.add_argument("--peers", default="humming,triton_kernels,torch")
     ap.add_argument("--peer-path", default=".peer")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default="results/bench_moe.json")
     args = ap.parse_args()
-    ours = [f"triton:{fmt}" for fmt in args.formats.split(",") if fmt and "bf16" in args.act_dtypes.split(",")]
-    if "fp8" in args.act_dtypes.split(","):
-        ours.append("triton:mxfp4:fp8")
+    ours = [f"triton:{fmt}" for fmt in args.formats.split(",") if fmt]
     return cli_main(["bench", "--shape", args.shape, "--tokens", args.tokens, "--ours", ",".join(ours),
                      "--peers", args.peers.replace("torch_grouped_mm", "torch"), "--peer-path", args.peer_path,
                      "--reps", str(args.reps), "--json", args.out])

@@ -2,7 +2,6 @@
 # The H200 sessions after the first suite (gpu_suite.sh), in parts of one device call each,
 # run back to back while the machine is warm. Every step has its own time limit and a
 # failing step does not stop the next; results are written incrementally into OUT.
-#   bash benchmarks/gpu_final.sh part1 OUT   # fp8: check_gpu (TP8, tokens 1..4096), bench fp8 beside bf16
 #   bash benchmarks/gpu_final.sh part2 OUT   # int4 search/asym check, asym cost, requant load, GPU requant tests
 #   bash benchmarks/gpu_final.sh recheck OUT # after a kernel change: bf16 checks (both formats), int4 methods,
 #                                            # the load-time self-check
@@ -12,7 +11,7 @@
 #                                            # check TP8, time ours and the triton_kernels peer (PEER_PATH)
 # OUT holds at most 4 files per part (the device tool brings back 8).
 set -u
-PART=${1:?part1 or part2}
+PART=${1:?part2, recheck, int4bench, tp16 or retune_tp8}
 OUT=${2:?output folder}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -30,13 +29,6 @@ step() {  # step NAME SECONDS CMD...
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } >> "$LOG" 2>&1
 case "$PART" in
-  part1)
-    step check_fp8 ${CHECK_S:-170} python3 benchmarks/check_gpu.py --sections fp8 \
-        --tokens 1,3,16,64,257,1024,4096 --out "$OUT/check_fp8.json"
-    step bench_fp8 ${BENCH_S:-160} python3 benchmarks/bench_moe.py --formats mxfp4 --peers "" \
-        --act-dtypes bf16,fp8 --fp8-variants 4096,16384 --tokens 1,4,16,64,256,1024,4096,16384 \
-        --out "$OUT/bench_fp8.json"
-    ;;
   part2)
     step check_int4_methods ${INT4_S:-100} python3 benchmarks/check_gpu.py --sections int4-methods \
         --int4-methods search,asym --int4-tokens 3,64 --out "$OUT/check_int4_methods.json"

@@ -99,30 +99,6 @@ def bf16_matmul_tflops(device="cuda", n: int = 8192, reps: int = 10) -> float:
     return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def fp8_matmul_tflops(device="cuda", n: int = 8192, reps: int = 10) -> float | None:
-    """e4m3 x e4m3 -> bf16 (torch._scaled_mm, fast accumulation), like bf16_matmul_tflops; None where
-    torch has no fp8 matmul here."""
-    try:
-        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device=device, dtype=torch.float32)
-
-        def mm():
-            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
-        for _ in range(3):
-            mm()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            mm()
-        end.record()
-        end.synchronize()
-        return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
-    except (RuntimeError, TypeError, AttributeError):
-        return None
-
-
 def mxfp4_bytes_per_expert(hidden: int, inter: int) -> int:
     """Packed codes plus e8m0 scales of w13 and w2 of one expert."""
     return 2 * inter * (hidden // 2 + hidden // 32) + hidden * (inter // 2 + inter // 32)

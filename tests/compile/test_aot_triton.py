@@ -86,17 +86,10 @@ def table_configs():
     return out
 
 
-def _specs(target: str, fmt, e, h, i, cfg, act=SITU, offsets=False, act_dtype="bf16"):
-    from kimi_k3_moe.kernels.triton.aot import meta_experts, meta_fp8_experts, plan_for_shape
+def _specs(target: str, fmt, e, h, i, cfg, act=SITU, offsets=False):
+    from kimi_k3_moe.kernels.triton.aot import meta_experts, plan_for_shape
     cfg = cfg.for_target(target.startswith("sm_"))
-    experts = meta_fp8_experts(e, h, i) if act_dtype == "fp8" else meta_experts(fmt, e, h, i, offsets=offsets)
-    return plan_for_shape(experts, 64, 16, ActivationSpec(*act), cfg)
-
-
-def act_dtypes_on(target: str, fmt: str) -> tuple[str, ...]:
-    """What the Triton package declares for `target` (fp8: MXFP4 weights only); nothing else is built."""
-    from kimi_k3_moe.kernels.triton import supported_act_dtypes
-    return tuple(a for a in supported_act_dtypes(target) if a == "bf16" or fmt == "mxfp4")
+    return plan_for_shape(meta_experts(fmt, e, h, i, offsets=offsets), 64, 16, ActivationSpec(*act), cfg)
 
 
 def _key(launch, target):
@@ -104,12 +97,12 @@ def _key(launch, target):
 
 
 def _compile_one(job):
-    target, fmt, e, h, i, cfg_json, act, offsets, act_dtype, index, gate, origin = job
+    target, fmt, e, h, i, cfg_json, act, offsets, index, gate, origin = job
     from kimi_k3_moe.kernels.triton.aot import compile_launch
-    launch = _specs(target, fmt, e, h, i, tt.MoEConfig.from_json(cfg_json), act, offsets, act_dtype)[index]
+    launch = _specs(target, fmt, e, h, i, tt.MoEConfig.from_json(cfg_json), act, offsets)[index]
     try:
         report, _ = compile_launch(launch, target)
-        return {**report.row(), "gated": gate, "origin": origin, "act_dtype": act_dtype}
+        return {**report.row(), "gated": gate, "origin": origin}
     except Exception as exc:  # reported per kernel; the test fails on it
         return {"kernel": launch.name, "target": target, "label": launch.label, "origin": origin,
                 "error": f"{type(exc).__name__}: {exc}"[-600:]}
@@ -125,16 +118,13 @@ def collect_jobs():
             # int4 offsets add a load and an FMA per group; compiled for the heuristic configs
             # (what an untuned device runs) to keep CI's compile time modest
             offsets = fmt == "int4" and origin.startswith("heuristic")
-            variants = [(SITU, False, "bf16")] + ([(SITU, True, "bf16")] if offsets else [])
-            # fp8 activations where the package declares them (sm_90: MXFP4 weights), nowhere else
-            variants += [(SITU, False, a) for a in act_dtypes_on(target, fmt) if a != "bf16"]
-            for act, offsets, act_dtype in variants:
-                for index, launch in enumerate(_specs(target, fmt, e, h, i, cfg, act, offsets, act_dtype)):
+            variants = [(SITU, False)] + ([(SITU, True)] if offsets else [])
+            for act, offsets in variants:
+                for index, launch in enumerate(_specs(target, fmt, e, h, i, cfg, act, offsets)):
                     key = _key(launch, target)
                     gated = gate and same_triton(origin)
                     if key not in jobs or (gated and not jobs[key][-2]):
-                        jobs[key] = (target, fmt, e, h, i, cfg.to_json(), act, offsets, act_dtype, index, gated,
-                                     origin)
+                        jobs[key] = (target, fmt, e, h, i, cfg.to_json(), act, offsets, index, gated, origin)
     return list(jobs.values())
 
 
@@ -182,32 +172,10 @@ def test_no_spills_and_shared_memory_fits(compiled):
     assert all(r["registers"] > 0 for r in ok)
 
 
-def test_fp8_kernels_are_built_where_declared_only(compiled):
-    fp8 = [r for r in compiled if r.get("act_dtype") == "fp8"]
-    assert fp8 and {r["target"] for r in fp8} == {"sm_90"}
-    assert {r["label"] for r in fp8} >= {"fp8.quantize_hidden", "fp8.quantize_inter", "fp8.stage1.gemv",
-                                         "fp8.stage2.gemv", "fp8.stage1.aligned", "fp8.stage2.aligned"}
-    assert all(r["kernel"].startswith(("quantize_rows", "stage1_fp8", "stage2_fp8", "align", "topk_reduce"))
-               for r in fp8)
-
-
-def test_fp8_and_bf16_never_share_a_binary():
-    """Same config, same activation: the fp8 stages are other kernels (other names, other hashes), with the
-    activation compiled in and the betas passed at run time exactly as in the bf16 kernels."""
-    from kimi_k3_moe.kernels.triton.aot import _signature, compile_launch
-    for t in (1, 4096):
-        cfg = tt.heuristic_config(3584, 384, t, is_cuda=True)
-        bf16 = next(l for l in _specs("sm_90", "mxfp4", 896, 3584, 384, cfg) if l.label.startswith("stage1."))
-        fp8 = next(l for l in _specs("sm_90", "mxfp4", 896, 3584, 384, cfg, act_dtype="fp8")
-                   if l.label.startswith("fp8.stage1."))
-        assert bf16.name != fp8.name
-        signature, constexprs, _ = _signature(fp8)
-        assert signature["beta"] == "fp32" and signature["linear_beta"] == "fp32" and "ACT" in constexprs
-        hashes = {compile_launch(launch, "sm_90")[0].hash for launch in (bf16, fp8)}
-        silu = next(l for l in _specs("sm_90", "mxfp4", 896, 3584, 384, cfg, ("silu", None, None), act_dtype="fp8")
-                    if l.label.startswith("fp8.stage1."))
-        hashes.add(compile_launch(silu, "sm_90")[0].hash)
-        assert len(hashes) == 3
+def test_the_package_declares_bf16_activations_only():
+    """The fp8 kernels were removed (kernels/triton/__init__.py says why): nothing else is built."""
+    from kimi_k3_moe.kernels.triton import supported_act_dtypes
+    assert all(supported_act_dtypes(target) == ("bf16",) for target in TARGETS)
 
 
 def test_activation_and_betas_cannot_share_a_binary():

@@ -38,3 +38,14 @@ def test_package_import_does_not_import_triton():
             "print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_hopper_refuses_fp8_activations_in_one_line():
+    """The Triton fp8 kernels were removed (kernels/triton/__init__.py): on sm_90 fp8 is refused at
+    planning with the arch and its choices, never served as bf16."""
+    from kimi_k3_moe.act_quant import UnsupportedActDtype
+    with pytest.raises(UnsupportedActDtype) as err:
+        plan_backends(Platform("cuda", "sm_90", "H200"), {"KIMI_K3_MOE_ACT_DTYPE": "fp8"})
+    assert "\n" not in str(err.value) and "sm_90" in str(err.value) and "bf16" in str(err.value)
+    with pytest.raises(ValueError, match="fp8.*triton backend on sm_90; supported there: bf16$"):
+        get_backend("triton", act_dtype="fp8", arch="sm_90")

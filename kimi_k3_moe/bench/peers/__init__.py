@@ -23,7 +23,7 @@ def make_peer(name: str, peer_path: str | None = None) -> Peer:
 
 
 def make_ours(spec: str) -> Peer:
-    """'triton' | 'triton:int4' | 'triton:mxfp4:fp8' (backend[:weight format[:activation dtype]]) ..."""
+    """'triton' | 'triton:int4' | 'flydsl:mxfp4:fp8' (backend[:weight format[:activation dtype]]) ..."""
     from kimi_k3_moe.act_quant import ACT_DTYPES
     from kimi_k3_moe.bench.peers.ours import OursPeer
     from kimi_k3_moe.experts import KINDS

@@ -43,23 +43,9 @@ def meta_experts(fmt: str, num_experts: int, hidden: int, inter: int, offsets: b
     return TritonExperts(fmt, w13, s13, w2, s2, o13, o2)
 
 
-def meta_fp8_experts(num_experts: int, hidden: int, inter: int, device="meta"):
-    """Fp8Experts (fp8 activations) of a shape, without memory."""
-    from kimi_k3_moe.kernels.triton.fp8_layout import LUT_ROWS, Fp8Experts
-
-    def side(n, k):
-        return (torch.empty(num_experts, n, k // 2, dtype=torch.uint8, device=device),
-                torch.empty(num_experts, n, k // 32, dtype=torch.uint8, device=device),
-                torch.empty(num_experts, n, dtype=torch.float32, device=device))
-    return Fp8Experts(*side(2 * inter, hidden), *side(hidden, inter),
-                      torch.empty(LUT_ROWS, 2, dtype=torch.int32, device=device))
-
-
 def plan_for_shape(experts, num_tokens: int, topk: int, activation: ActivationSpec,
                    config: MoEConfig, *, expert_map: bool = False) -> list[Launch]:
-    """TritonExperts -> the bf16-activation launches; Fp8Experts -> the fp8-activation ones."""
-    from kimi_k3_moe.kernels.triton.fp8_layout import Fp8Experts
-    from kimi_k3_moe.kernels.triton.fp8_moe import plan_moe_fp8
+    """TritonExperts -> the launches the backend runs."""
     from kimi_k3_moe.kernels.triton.moe import plan_moe
     dev = experts.device
     hidden = torch.empty(num_tokens, experts.hidden_size, dtype=torch.bfloat16, device=dev)
@@ -67,8 +53,7 @@ def plan_for_shape(experts, num_tokens: int, topk: int, activation: ActivationSp
     weights = torch.empty(num_tokens, topk, dtype=torch.float32, device=dev)
     emap = torch.empty(experts.num_experts, dtype=torch.int32, device=dev) if expert_map else None
     out = torch.empty_like(hidden)
-    plan = plan_moe_fp8 if isinstance(experts, Fp8Experts) else plan_moe
-    return plan(experts, hidden, weights, ids, activation, emap, out, config)
+    return plan_moe(experts, hidden, weights, ids, activation, emap, out, config)
 
 
 def _signature(launch: Launch):

@@ -10,13 +10,12 @@ in a CUDA graph.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from functools import lru_cache
 
 import torch
 
-from kimi_k3_moe.act_quant import BF16, FP8, check_supported
+from kimi_k3_moe.act_quant import BF16, check_supported
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs import triton_table
 from kimi_k3_moe.configs.triton_table import Lookup, MoEConfig
@@ -24,8 +23,6 @@ from kimi_k3_moe.experts import MXFP4, WeightFormat
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
-from kimi_k3_moe.kernels.triton import fp8_layout
-from kimi_k3_moe.kernels.triton.fp8_layout import Fp8Experts
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.platform import TRITON_MIN_SM, detect_platform, for_arch, is_rocm
 from kimi_k3_moe.reference import check_routing
@@ -59,8 +56,7 @@ class TritonBackend(MoEBackend):
         """`config` pins one MoEConfig for every batch (tests, tuner); `decode`
         ("ptx"|"bits") overrides the table's decoder; `table` replaces the
         packaged table; batches above `chunk_tokens` run in chunks (bounds the
-        per-pair buffers). `act_dtype` "fp8" runs e4m3 activations (sm_89/sm_90+
-        and the interpreter; MXFP4 weights) with the scheme `fp8_moe.ACT_QUANT`;
+        per-pair buffers). `act_dtype` is "bf16" (the only one: see kernels/triton/__init__.py);
         `arch` ("sm_90", "gfx942", ...) defaults to this machine's."""
         try:
             fmt = WeightFormat.of(weight_format, int4_method)
@@ -71,17 +67,12 @@ class TritonBackend(MoEBackend):
         if chunk_tokens < 1:
             raise ValueError(f"triton backend: chunk_tokens must be >= 1, got {chunk_tokens}")
         self.arch = arch if arch is not None else detect_arch()
-        # as the spec declares: first what the arch runs at all (MXFP4 weights, the widest choice; that
-        # error names the arch and its choices), then what this weight format allows
-        here = for_arch(self.arch)
-        act_dtype = check_supported(self.name, self.arch, act_dtype, SPEC.act_dtypes(here, MXFP4))
-        if act_dtype not in SPEC.act_dtypes(here, fmt.kind):
-            raise ValueError(f"triton backend: {act_dtype} activations run with MXFP4 weights (e2m1 is exact in "
-                             f"e4m3); weight_format {weight_format!r} has no {act_dtype} kernels")
+        # as the spec declares (the error names the arch and its choices)
+        act_dtype = check_supported(self.name, self.arch, act_dtype, SPEC.act_dtypes(for_arch(self.arch), fmt.kind))
         self.act_dtype = act_dtype
         self.act_quant = SPEC.act_quant_for(self.arch, act_dtype)
         self.format = fmt
-        self.prepared_types = (Fp8Experts,) if act_dtype == FP8 else (TritonExperts,)
+        self.prepared_types = (TritonExperts,)
         self.config = config
         self.decode = decode
         self.table = table
@@ -117,28 +108,12 @@ class TritonBackend(MoEBackend):
         return triton_table.device_key(name), not is_rocm()
 
     # -- weights --------------------------------------------------------
-    def lay_out(self, experts) -> TritonExperts | Fp8Experts:
-        """MXFP4 or int4 experts -> the kernels' word layout (Fp8Experts for fp8 activations)."""
-        if self.act_dtype != FP8:
-            return TritonExperts.from_experts(experts)
-        prepared = fp8_layout.from_mxfp4(*experts.tensors())
-        if prepared.inexact_groups:
-            logging.getLogger(__name__).warning(
-                "fp8 weights: %d groups of 32 lie more than %d binades below their row's largest scale and are "
-                "rounded to e4m3 (not exact); dequantize_prepared returns what the kernels use",
-                prepared.inexact_groups, fp8_layout.EXACT_SHIFTS - 1)
-        return prepared
+    def lay_out(self, experts) -> TritonExperts:
+        """MXFP4 or int4 experts -> the kernels' word layout."""
+        return TritonExperts.from_experts(experts)
 
     # -- configs --------------------------------------------------------
     def lookup(self, prepared, num_tokens: int) -> Lookup:
-        found = self._lookup(prepared, num_tokens)
-        if isinstance(prepared, Fp8Experts):
-            from kimi_k3_moe.kernels.triton.fp8_moe import fp8_config
-            cfg = fp8_config(found.config)
-            found = Lookup(cfg, found.source + (" (fp8)" if cfg == found.config else " (fp8-adjusted)"))
-        return found
-
-    def _lookup(self, prepared, num_tokens: int) -> Lookup:
         dev_key, is_cuda = self._target(prepared.device)
         if self.config is not None:
             found = Lookup(self.config.for_target(is_cuda), "pinned")
@@ -157,9 +132,6 @@ class TritonBackend(MoEBackend):
              out: torch.Tensor):
         """The launches for one chunk (<= chunk_tokens tokens); used by forward and the benchmarks."""
         cfg = self.lookup(prepared, hidden.shape[0]).config
-        if isinstance(prepared, Fp8Experts):
-            from kimi_k3_moe.kernels.triton.fp8_moe import plan_moe_fp8
-            return plan_moe_fp8(prepared, hidden, topk_weights, topk_ids, activation, expert_map, out, cfg)
         from kimi_k3_moe.kernels.triton.moe import plan_moe
         return plan_moe(prepared, hidden, topk_weights, topk_ids, activation, expert_map, out, cfg)
 
@@ -167,10 +139,9 @@ class TritonBackend(MoEBackend):
                 topk_ids: torch.Tensor, activation: ActivationSpec,
                 expert_map: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out` ([T, H], hidden's dtype), when given, receives the result (every element is written)."""
-        expected = Fp8Experts if self.act_dtype == FP8 else TritonExperts
-        if not isinstance(prepared, expected):
-            raise TypeError(f"triton backend ({self.act_dtype} activations): forward() needs prepare()'s result "
-                            f"({expected.__name__}), got {type(prepared).__name__}")
+        if not isinstance(prepared, TritonExperts):
+            raise TypeError(f"triton backend: forward() needs prepare()'s result (TritonExperts), "
+                            f"got {type(prepared).__name__}")
         hidden, topk_weights, topk_ids, expert_map = self._check_inputs(
             prepared, hidden, topk_weights, topk_ids, expert_map)
         if out is None:

@@ -5,7 +5,7 @@ import torch
 
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton.launch import cdiv
-from kimi_k3_moe.kernels.triton.stage1 import DECODE_CODES, decode_code
+from kimi_k3_moe.kernels.triton.stage1 import decode_code
 from kimi_k3_moe.experts import MXFP4
 
 
@@ -27,19 +27,4 @@ def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
         words.contiguous(), scales.contiguous(), (scales if offsets is None else offsets).contiguous(), out,
         rows, k, FMT=C.FMT_MXFP4 if fmt == MXFP4 else C.FMT_INT4, HAS_OFFSETS=offsets is not None,
         DECODE=decode_code(decode, wide_scales), BLOCK_N=block_n, BLOCK_K=block_k, PAIRS=pairs)
-    return out
-
-
-def decode_fp8_rows(words: torch.Tensor, shifts: torch.Tensor, lut: torch.Tensor, decode: str = "bits",
-                    block_n: int = 16, block_k: int = 128) -> torch.Tensor:
-    """[rows, K/2] fp8-layout words + shift bytes -> uint8 e4m3 codes [rows, K] through the fp8 kernels'
-    decoder (decode them with formats.fp8.decode before comparing)."""
-    from kimi_k3_moe.kernels.triton._details.probe_kernels import fp8_decode_probe_kernel
-    rows, half = words.shape
-    k = half * 2
-    if k % block_k:
-        raise ValueError(f"K = {k} is not a multiple of block_k = {block_k}")
-    out = torch.empty(rows, k, dtype=torch.uint8, device=words.device)
-    fp8_decode_probe_kernel[(cdiv(rows, block_n),)](words.contiguous(), shifts.contiguous(), lut, out, rows, k,
-                                                    DECODE=DECODE_CODES[decode], BLOCK_N=block_n, BLOCK_K=block_k)
     return out

@@ -3,7 +3,6 @@ import triton
 import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details.decode import load_weight_pairs, load_weight_tile, pair_order, word_k_offsets
-from kimi_k3_moe.kernels.triton._details.fp8_decode import decode_fp8_raw, join_words, load_fp8_weight_raw
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 
 
@@ -29,18 +28,3 @@ def decode_probe_kernel(w_ptr, s_ptr, o_ptr, out_ptr, rows, K,
                                       BLOCK_K)
             tl.store(out + ka[None, :], cast_to(wa, tl.float32), mask=mask)
             tl.store(out + 4 + ka[None, :], cast_to(wb, tl.float32), mask=mask)
-
-
-@triton.jit
-def fp8_decode_probe_kernel(w_ptr, d_ptr, lut_ptr, out_ptr, rows, K,
-                            DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[r, k] = the e4m3 code (uint8) the fp8 kernels feed the matrix unit for weight (r, k)."""
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (n < rows)[:, None]
-    w_rows = w_ptr + n[:, None].to(tl.int64) * (K // 2)
-    d_rows = d_ptr + n[:, None].to(tl.int64) * (K // 32)
-    for k0 in range(0, K, BLOCK_K):
-        w, d = load_fp8_weight_raw(w_rows, d_rows, k0, mask, BLOCK_K)
-        v0, v1, v2, v3, v4, v5, v6, v7 = decode_fp8_raw(w, d, lut_ptr, DECODE, BLOCK_N, BLOCK_K)
-        tile = join_words(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K)
-        tl.store(out_ptr + n[:, None].to(tl.int64) * K + k0 + tl.arange(0, BLOCK_K)[None, :], tile, mask=mask)
