@@ -1,1 +1,1 @@
-"""Kernel internals of the Triton backend (importing these imports triton)."""
+"""Kernel internals of the Triton backend (importing these imports triton; constants.py aside, which the torch-side layout code reads too)."""
