@@ -10,6 +10,7 @@ in a CUDA graph.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from functools import lru_cache
 
@@ -110,7 +111,10 @@ class TritonBackend(MoEBackend):
     # -- weights --------------------------------------------------------
     def lay_out(self, experts) -> TritonExperts:
         """MXFP4 or int4 experts -> the kernels' word layout."""
-        return TritonExperts.from_experts(experts)
+        prepared = TritonExperts.from_experts(experts)
+        if prepared.wide_scales:
+            _log_wide_scales_once()
+        return prepared
 
     # -- configs --------------------------------------------------------
     def lookup(self, prepared, num_tokens: int) -> Lookup:
@@ -175,6 +179,13 @@ class TritonBackend(MoEBackend):
             hidden = hidden.contiguous()
         return hidden, topk_weights.contiguous(), topk_ids.contiguous(), \
             None if expert_map is None else expert_map.contiguous()
+
+
+@lru_cache(maxsize=1)
+def _log_wide_scales_once() -> None:
+    logging.getLogger(__name__).info(
+        "MXFP4 experts with a scale above 2 (an e8m0 byte above 128): their layers decode with two bf16 "
+        "multiplies per weight pair instead of one (docs/TRITON.md, Decoding); results are the same")
 
 
 @lru_cache(maxsize=4096)
