@@ -28,9 +28,7 @@ from kimi_k3_moe.kernels.triton._details import constants as C
 WEIGHT_FORMATS = KINDS
 WORD = 8  # K elements per 32-bit word
 
-# bit offsets inside a word of element v0..v7
-_MXFP4_MAG_SHIFT = C.MXFP4_MAG_BIT
-_MXFP4_SIGN_SHIFT = C.MXFP4_SIGN_BIT
+# bit offsets inside a word of element v0..v7 (MXFP4: C.MXFP4_MAG_BIT / C.MXFP4_SIGN_BIT)
 _INT4_SHIFT = tuple(4 * (j // 2) + 16 * (j % 2) for j in range(WORD))
 
 
@@ -42,8 +40,8 @@ def _words_from_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     word = torch.zeros(c.shape[:-1], dtype=torch.int64, device=codes.device)
     for j in range(WORD):
         if fmt == MXFP4:
-            word |= (c[..., j] & 7) << _MXFP4_MAG_SHIFT[j]
-            word |= ((c[..., j] >> 3) & 1) << _MXFP4_SIGN_SHIFT[j]
+            word |= (c[..., j] & 7) << C.MXFP4_MAG_BIT[j]
+            word |= ((c[..., j] >> 3) & 1) << C.MXFP4_SIGN_BIT[j]
         else:
             word |= (c[..., j] & 15) << _INT4_SHIFT[j]
     # int64 -> little-endian bytes of the low 32 bits
@@ -59,8 +57,8 @@ def _codes_from_words(words: torch.Tensor, fmt: str) -> torch.Tensor:
     parts = []
     for j in range(WORD):
         if fmt == MXFP4:
-            mag = (w >> _MXFP4_MAG_SHIFT[j]) & 7
-            sign = (w >> _MXFP4_SIGN_SHIFT[j]) & 1
+            mag = (w >> C.MXFP4_MAG_BIT[j]) & 7
+            sign = (w >> C.MXFP4_SIGN_BIT[j]) & 1
             parts.append(mag | (sign << 3))
         else:
             parts.append((w >> _INT4_SHIFT[j]) & 15)
@@ -88,6 +86,12 @@ def from_word_layout(words: torch.Tensor, fmt: str) -> torch.Tensor:
     """The word layout -> checkpoint nibble order."""
     _check_fmt(fmt)
     return mxfp4.pack_nibbles(_codes_from_words(words, fmt))
+
+
+def wide_scales(*scales: torch.Tensor) -> bool:
+    """Whether any e8m0 byte of these MXFP4 scales exceeds MXFP4_FOLD_MAX_SCALE (scales above 2),
+    which the one-multiply PTX decoder cannot take; shape-only (meta) tensors have none."""
+    return any(not s.is_meta and s.numel() and int(s.max()) > C.MXFP4_FOLD_MAX_SCALE for s in scales)
 
 
 def _check_fmt(fmt: str) -> None:
@@ -120,9 +124,7 @@ class TritonExperts(PackedExperts):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.wide_scales is None:
-            self.wide_scales = self.fmt == MXFP4 and any(
-                not s.is_meta and s.numel() and int(s.max()) > C.MXFP4_FOLD_MAX_SCALE
-                for s in (self.w13_scale, self.w2_scale))
+            self.wide_scales = self.fmt == MXFP4 and wide_scales(self.w13_scale, self.w2_scale)
 
 
 def from_mxfp4(w13_packed, w13_scale, w2_packed, w2_scale) -> TritonExperts:

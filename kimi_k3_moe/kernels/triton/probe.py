@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.kernels.triton._details import constants as C
+from kimi_k3_moe.kernels.triton import layout
 from kimi_k3_moe.kernels.triton.launch import cdiv
 from kimi_k3_moe.kernels.triton.stage1 import decode_code
 from kimi_k3_moe.experts import MXFP4
@@ -16,7 +17,7 @@ def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     (pairs: the pair-order tile of the one-dot kernels, else the two regrouped halves; wide_scales:
     the layer's TritonExperts.wide_scales, None to read it off these scales)."""
     if wide_scales is None:
-        wide_scales = fmt == MXFP4 and scales.numel() > 0 and int(scales.max()) > C.MXFP4_FOLD_MAX_SCALE
+        wide_scales = fmt == MXFP4 and layout.wide_scales(scales)
     from kimi_k3_moe.kernels.triton._details.probe_kernels import decode_probe_kernel
     rows, half = words.shape
     k = half * 2

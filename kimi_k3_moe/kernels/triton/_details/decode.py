@@ -42,11 +42,11 @@ NEG_ZERO_PAIR = tl.constexpr(-2147450880)  # 0x80008000 as int32
 # rounded once. WIDE (a scale above 2, where 2^(b-1) is no bf16): first by 2^126, then
 # by $9 = 2^(b-127), the same single rounding.
 def _e2m1_word_ptx(wide: bool) -> str:
+    bias = "\n        .reg .b32 bias;\n        mov.b32 bias, 0x7E807E80;" if wide else ""
     unbias = "".join(f"\n        fma.rn.bf16x2 m{j}, m{j}, bias, nz;" for j in range(4)) if wide else ""
     return f"""
         {{
-        .reg .b32 a, b, c, d, e, m0, m1, m2, m3, s0, s3, bias, nz;
-        mov.b32 bias, 0x7E807E80;
+        .reg .b32 a, b, c, d, e, m0, m1, m2, m3, s0, s3, nz;{bias}
         mov.b32 nz, 0x80008000;
         shl.b32 a, $8, 4;
         shl.b32 b, $8, 3;
@@ -150,16 +150,12 @@ def _interleave4(v0, v1, v2, v3, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _ptx_e2m1_word(w, factor_pair, WIDE: tl.constexpr):
-    # w: int32 words; factor_pair: int32, the word's bf16 factor ($9 above) in both halves
-    if WIDE:
-        return tl.inline_asm_elementwise(
-            asm=E2M1_WIDE_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, factor_pair],
-            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise(
-            asm=E2M1_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, factor_pair],
-            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+def _ptx_e2m1_word(w, factor_pair, ASM: tl.constexpr):
+    # w: int32 words; factor_pair: int32, the word's bf16 factor ($9 above) in both halves;
+    # ASM: E2M1_WORD_PTX or E2M1_WIDE_WORD_PTX
+    return tl.inline_asm_elementwise(
+        asm=ASM, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[w, factor_pair],
+        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -224,12 +220,12 @@ def decode_weight_raw(w, s, o, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DEC
         if DECODE == DECODE_PTX:
             # bf16 bits of 2^(b-1) in both halves: (b + 126) << 7, no carry across for b <= 128
             pair = _group_broadcast(s.to(tl.int32) * 0x00800080 + 0x3F003F00, BLOCK_N, GROUPS, 4)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, False)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, E2M1_WORD_PTX)
         elif DECODE == DECODE_PTX_WIDE:
             b = s.to(tl.int32)
             half = tl.where(b == 0, 0x40, b << 7)  # bf16 bits of 2^(b-127)
             pair = _group_broadcast(half | (half << 16), BLOCK_N, GROUPS, 4)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, True)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, E2M1_WIDE_WORD_PTX)
         else:
             sw = _group_broadcast(_e8m0_to_f32(s), BLOCK_N, GROUPS, 4)
             v0 = to_bf16(_e2m1_at(w, MAG0, SIGN0) * sw)
