@@ -197,20 +197,19 @@ def test_prepared_experts_validate_shapes():
 def test_wide_scales_is_read_once_from_the_scales_at_prepare(gen):
     """The one-multiply decoder serves a layer only when every e8m0 byte is <= MXFP4_FOLD_MAX_SCALE;
     one byte above sends the whole layer to DECODE_PTX_WIDE; int4 and shape-only experts never."""
-    from kimi_k3_moe.kernels.triton._details import constants as consts
     from kimi_k3_moe.kernels.triton.aot import meta_experts
     from kimi_k3_moe.kernels.triton.stage1 import decode_code
     w13, w2 = torch.randn(2, 64, 96, generator=gen), torch.randn(2, 96, 32, generator=gen)
     experts = ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
-    assert int(experts.w13_scale.max()) <= consts.MXFP4_FOLD_MAX_SCALE
+    assert int(experts.w13_scale.max()) <= C.MXFP4_FOLD_MAX_SCALE
     assert layout.from_mxfp4(*experts.tensors()).wide_scales is False
     for name in ("w13_scale", "w2_scale"):
         tensors = dict(zip(("w13_packed", "w13_scale", "w2_packed", "w2_scale"), experts.tensors()))
         tensors[name] = tensors[name].clone()
-        tensors[name][1, -1, -1] = consts.MXFP4_FOLD_MAX_SCALE + 1
+        tensors[name][1, -1, -1] = C.MXFP4_FOLD_MAX_SCALE + 1
         assert layout.from_mxfp4(*tensors.values()).wide_scales is True, name
     conv = int4.requantize(experts.w13_packed, experts.w13_scale), int4.requantize(experts.w2_packed, experts.w2_scale)
     assert layout.from_int4(*conv).wide_scales is False
     assert meta_experts("mxfp4", 4, 256, 64).wide_scales is False
-    assert decode_code("ptx", False) == consts.DECODE_PTX and decode_code("ptx", True) == consts.DECODE_PTX_WIDE
-    assert decode_code("bits", True) == consts.DECODE_BITS
+    assert decode_code("ptx", False) == C.DECODE_PTX and decode_code("ptx", True) == C.DECODE_PTX_WIDE
+    assert decode_code("bits", True) == C.DECODE_BITS
