@@ -41,7 +41,9 @@ def activation_args(activation: ActivationSpec) -> dict:
     raise UnsupportedActivationError(f"the Triton backend has no kernel for activation {activation.name!r}")
 
 
-def weight_args(experts: TritonExperts, which: str) -> dict:
+def weight_args(experts: TritonExperts, which: str, decode: str) -> dict:
+    """A stage's weight pointers, strides and the constexprs that follow from the weights (format,
+    offsets, and the decoder `decode` ("ptx" | "bits") resolves to for them)."""
     w = getattr(experts, which)
     s = getattr(experts, f"{which}_scale")
     o = getattr(experts, f"{which}_offset")
@@ -49,7 +51,7 @@ def weight_args(experts: TritonExperts, which: str) -> dict:
                 s_ptr=s, stride_se=s.stride(0), stride_sn=s.stride(1),
                 o_ptr=s if o is None else o,
                 FMT=C.FMT_MXFP4 if experts.fmt == MXFP4 else C.FMT_INT4,
-                HAS_OFFSETS=o is not None)
+                HAS_OFFSETS=o is not None, DECODE=decode_code(decode, experts.wide_scales))
 
 
 def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch]:
@@ -77,12 +79,12 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
     comes out in pair order (out_pairs), else in word order of out_block_k tiles (0: plain)."""
     inter_size = experts.intermediate_size
     inter = torch.empty(pairs.max_rows, inter_size, dtype=torch.bfloat16, device=hidden.device)
-    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13"),
+    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
                 inter_ptr=inter, stride_im=inter.stride(0),
                 sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
                 num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
-                TOPK=topk, DECODE=decode_code(decode, experts.wide_scales), SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
+                TOPK=topk, SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
                 PAIRS=cfg.pairs, BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs,
                 STACK_GATE_UP=cfg.stack_gate_up)
@@ -99,11 +101,11 @@ def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Te
     inter_size = experts.intermediate_size
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=hidden.device)
     ids = topk_ids.reshape(-1)
-    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13"),
+    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
                 inter_ptr=inter, stride_im=inter.stride(0),
                 ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
-                TOPK=topk, HAS_MAP=expert_map is not None, DECODE=decode_code(decode, experts.wide_scales),
+                TOPK=topk, HAS_MAP=expert_map is not None,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k)
     grid = (num_pairs, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_gemv_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.gemv")

@@ -10,7 +10,7 @@ from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_ke
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.kernels.triton.stage1 import decode_code, weight_args
+from kimi_k3_moe.kernels.triton.stage1 import weight_args
 
 REDUCE_BLOCK = 512
 
@@ -23,11 +23,11 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
     topk = topk_weights.shape[1]
     y = torch.empty(pairs.num_pairs, hidden, dtype=torch.bfloat16, device=inter.device)
     matmul = Launch(stage2_aligned_kernel, (pairs.max_blocks * cdiv(hidden, cfg.block_n),), dict(
-        inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2"),
+        inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2", decode),
         y_ptr=y, stride_ym=y.stride(0), topk_w_ptr=topk_weights.reshape(-1),
         sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
         num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
-        DECODE=decode_code(decode, experts.wide_scales), SWAP=cfg.swap, INTERLEAVE=cfg.interleave, PAIRS=cfg.pairs,
+        SWAP=cfg.swap, INTERLEAVE=cfg.interleave, PAIRS=cfg.pairs,
         BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
         cfg.num_warps, cfg.num_stages, "stage2.aligned")
     return [matmul, topk_reduce(y, pairs, out, topk)]
@@ -48,10 +48,10 @@ def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Ten
     hidden = experts.hidden_size
     ids = topk_ids.reshape(-1)
     return [Launch(stage2_gemv_kernel, (out.shape[0], cdiv(hidden, cfg.block_n)), dict(
-        inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2"),
+        inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2", decode),
         out_ptr=out, stride_om=out.stride(0),
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
         topk_w_ptr=topk_weights.reshape(-1), hidden=hidden, inter_size=experts.intermediate_size,
         TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
-        DECODE=decode_code(decode, experts.wide_scales), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
         cfg.num_warps, cfg.num_stages, "stage2.gemv")]
