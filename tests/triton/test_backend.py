@@ -215,3 +215,26 @@ def test_prepare_says_once_when_a_layer_needs_the_two_multiply_decoder(gen, capl
         assert not backend.prepare(ex).wide_scales
         assert backend.prepare(wide).wide_scales and backend.prepare(wide).wide_scales
     assert sum("scale above 2" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_gemv_stage2_with_an_expert_map_takes_long_k_steps_and_skips_other_ranks(gen):
+    """Under expert parallelism stage 2 of the small-batch path runs one local slot at a time with a
+    K step grown up to SLOTS times (here 32 -> 128 = all of I), stage 1 writing inter in that word
+    order; against the reference, with tokens whose slots are all on other ranks (output 0)."""
+    from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k
+    cfg = MoEConfig("gemv", 16, KernelConfig(32, 128, 4, 2), KernelConfig(64, 32, 4, 2), "bits")
+    assert gemv_block_k(cfg.stage2, 3, 128, torch.empty(1)) == 128 and gemv_block_k(cfg.stage2, 3, 128, None) == 32
+    assert gemv_block_k(KernelConfig(8, 64, 4, 3), 16, 3072, torch.empty(1)) == 1024  # EP16's I
+    assert gemv_block_k(KernelConfig(8, 64, 4, 3), 16, 384, torch.empty(1)) == 128    # TP8's I
+    ex = P.experts(gen, e=4, h=128, i=128)
+    backend = get_backend("triton", config=cfg)
+    prepared = backend.prepare(ex)
+    emap = torch.full((12,), -1, dtype=torch.int32)
+    emap[torch.tensor([0, 5, 6, 11])] = torch.arange(4, dtype=torch.int32)
+    weights, ids = P.routing(gen, 4, e=12, topk=3)
+    ids[0] = torch.tensor([1, 2, 3], dtype=ids.dtype)  # no slot of token 0 is local
+    hidden = P.hidden(gen, 4)
+    for act in (SITU, ActivationSpec.silu()):
+        out = P.run(backend, prepared, hidden, weights, ids, act, emap)
+        assert torch.all(out[0] == 0)
+        assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, act, emap)) < TOL, act

@@ -9,7 +9,7 @@ from kimi_k3_moe.kernels.triton.alignment import align_launches
 from kimi_k3_moe.kernels.triton.launch import Launch
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, word_order
-from kimi_k3_moe.kernels.triton.stage2 import stage2_aligned, stage2_gemv
+from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k, stage2_aligned, stage2_gemv
 
 
 def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
@@ -21,7 +21,8 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
     if config.path == "gemv":  # both stages read their activations in word order
         x, permute = word_order(hidden, s1_cfg.block_k)
         inter, s1 = stage1_gemv(experts, x, topk_ids, expert_map, activation, s1_cfg, config.decode,
-                                out_block_k=s2_cfg.block_k)
+                                out_block_k=gemv_block_k(s2_cfg, topk_ids.shape[1], experts.intermediate_size,
+                                                         expert_map))
         return [permute, s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
                                           s2_cfg, config.decode)]
     pairs, align = align_launches(topk_ids, expert_map, experts.num_experts, config.block_m)

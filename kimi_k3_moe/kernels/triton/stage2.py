@@ -42,6 +42,19 @@ def topk_reduce(y: torch.Tensor, pairs: AlignedPairs, out: torch.Tensor, topk: i
         hidden=hidden, TOPK=topk, BLOCK_N=block), 4, 1, "stage2.reduce")
 
 
+def gemv_block_k(cfg: KernelConfig, topk: int, inter_size: int, expert_map: torch.Tensor | None) -> int:
+    """Stage 2's K step on the small-batch path (stage 1 writes inter in its word order). With an
+    expert map the kernel takes one slot at a time: its tile keeps the all-slots tile's size by
+    growing along K (up to SLOTS times, a power of two dividing inter_size), so each local slot
+    streams in a few long steps instead of many short ones."""
+    if expert_map is None:
+        return cfg.block_k
+    bk = cfg.block_k
+    while bk * 2 <= cfg.block_k * next_pow2(topk) and inter_size % (bk * 2) == 0:
+        bk *= 2
+    return bk
+
+
 def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor,
                 cfg: KernelConfig, decode: str) -> list[Launch]:
@@ -53,5 +66,6 @@ def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Ten
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
         topk_w_ptr=topk_weights.reshape(-1), hidden=hidden, inter_size=experts.intermediate_size,
         TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=gemv_block_k(cfg, topk_ids.shape[1], experts.intermediate_size, expert_map)),
         cfg.num_warps, cfg.num_stages, "stage2.gemv")]

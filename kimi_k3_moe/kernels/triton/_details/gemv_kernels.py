@@ -111,13 +111,18 @@ def stage2_gemv_kernel(
     """
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    if HAS_MAP:
+        # under expert parallelism most of a token's slots live on other ranks: one slot at a time,
+        # skipping those, instead of decoding (masked) tiles for all of them
+        _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                                 o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden, inter_size, t,
+                                 pid_n, TOPK, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+        return
     r = tl.arange(0, SLOTS * BLOCK_N)
     slot = r // BLOCK_N
     n = pid_n * BLOCK_N + r % BLOCK_N
     pair = t * TOPK + slot
     e = tl.load(ids_ptr + pair, mask=slot < TOPK, other=-1).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e, mask=e >= 0, other=-1).to(tl.int32)
     here = (e >= 0) & (n < hidden)
     e64 = tl.maximum(e, 0).to(tl.int64)
     w_rows = w_ptr + e64[:, None] * stride_we + n[:, None].to(tl.int64) * stride_wn
@@ -140,3 +145,32 @@ def stage2_gemv_kernel(
     total = tl.sum(tl.reshape(per_row, (SLOTS, BLOCK_N)), axis=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + t * stride_om + offs_n, cast_to(total, out_ptr.dtype.element_ty), mask=offs_n < hidden)
+
+
+@triton.jit
+def _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
+                             o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden, inter_size, t,
+                             pid_n, TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                             DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """stage2_gemv_kernel with an expert map: the token's slots in order, fp32, those of other ranks skipped."""
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = (n < hidden)[:, None]
+    cw = tl.arange(0, BLOCK_K // 8)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(TOPK):
+        pair = t * TOPK + slot
+        gid = tl.load(ids_ptr + pair).to(tl.int32)
+        e = tl.where(gid >= 0, tl.load(map_ptr + tl.maximum(gid, 0)).to(tl.int32), -1)
+        if e >= 0:
+            e64 = e.to(tl.int64)
+            w_rows = w_ptr + e64 * stride_we + n[:, None].to(tl.int64) * stride_wn
+            so = e64 * stride_se + n[:, None].to(tl.int64) * stride_sn
+            x_words = inter_ptr + pair * stride_im + cw[None, :]
+            acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+            for k0 in range(0, inter_size, BLOCK_K):
+                w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k0, mask_n, FMT, HAS_OFFSETS, BLOCK_K)
+                v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, BLOCK_N,
+                                                                   BLOCK_K)
+                acc = _fma_words(acc, x_words + k0, cw[None, :] >= 0, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
+            total += tl.sum(acc, axis=1) * tl.load(topk_w_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + t * stride_om + n, cast_to(total, out_ptr.dtype.element_ty), mask=n < hidden)
