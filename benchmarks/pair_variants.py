@@ -3,7 +3,7 @@
 For each token count: the table's config (the baseline) and each candidate, every one a
 CUDA-graph replay with L2 flushed before it, median of --reps, with the copy bandwidth of
 this run; each candidate's output is compared with the baseline's (relative L2) and
-discarded above 1e-2. `candidates()` is also what the CPU compile check builds.
+discarded above 1e-2.
 
     python benchmarks/pair_variants.py [--tokens 16,64,...] [--formats mxfp4,int4] [--out F]
 """
@@ -25,30 +25,29 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
         if inter % cfg.stage2.block_k:
             cfg = replace(cfg, stage2=replace(cfg.stage2, block_k=64))
         try:
-            out[name] = cfg.validate(hidden, inter)
+            cfg = cfg.validate(hidden, inter)
         except ValueError:
-            pass
+            continue
+        if cfg != base and cfg not in out.values():
+            out[name] = cfg
     return out
 
 
 def _candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
-    """Stage 1 on one stacked gate/up tile (`KernelConfig.stack_gate_up`; with 8 warps each warpgroup
-    holds one of gate and up, so 128-row blocks fit: sm_90 AOT 167 registers under Triton 3.6, 248
-    under 3.9, no spills) beside the table's stage 2 or a 128 x 128 one."""
-    if base.path != "aligned":
+    """The table's config with its (swapped) stage 2 taking several N tiles per program
+    (`KernelConfig.n_tiles`: K unrolled, the tile loop pipelined). At 4096+ tokens the 128-row
+    inter tile would be multi-buffered per tile (over 200 KB of shared memory), so none there."""
+    if base.path != "aligned" or not base.stage2.swap or base.block_m > 64:
         return {}
-    k = KernelConfig
     s2 = base.stage2
-    if tokens <= 256:
-        shapes = [(16, k(32, 128, 4, 3)), (16, k(64, 128, 8, 3)), (32, k(64, 128, 8, 3))]
-    elif tokens <= 1024:
-        shapes = [(32, k(64, 128, 8, 3)), (32, k(32, 128, 4, 3)), (64, k(64, 128, 8, 3))]
-        s2 = k(128, 128, 8, 3, pairs=True)
-    else:
-        shapes = [(128, k(64, 128, 8, 3)), (128, k(64, 64, 8, 3)), (64, k(64, 128, 8, 3))]
-        s2 = k(128, 128, 8, 3, pairs=True)
-    return {f"bm{bm}-stacked-n{s1.block_n}k{s1.block_k}w{s1.num_warps}": replace(
-        base, block_m=bm, stage1=replace(s1, pairs=True, stack_gate_up=True), stage2=s2) for bm, s1 in shapes}
+    out = {f"s2-tiles{n}-k{bk}-s{st}": replace(base, stage2=replace(s2, n_tiles=n, block_k=bk, num_stages=st))
+           for n in (4, 8, 14, 28) for bk, st in ((128, 2), (128, 3), (64, 2))}
+    if not s2.pairs:  # stage 2 in pair order instead (stage 1 then writes inter in that order)
+        pairs = replace(s2, block_n=64, block_k=128, num_stages=3, interleave=True, pairs=True)
+        out.update({f"s2-pairs-tiles{n}-k128-s3": replace(base, stage2=replace(pairs, n_tiles=n)) for n in (4, 8, 14)})
+    out["s2-n128w8-tiles4-k128-s2"] = replace(base, stage2=replace(s2, block_n=128, num_warps=8, n_tiles=4, block_k=128,
+                                                                   num_stages=2))
+    return out
 
 
 def ep_candidates(base: MoEConfig, tokens: int, hidden: int, inter: int) -> dict[str, MoEConfig]:
@@ -119,7 +118,7 @@ def main() -> int:
         timer = ColdL2Timer()
         for t in tokens:
             hidden = random_hidden(t, h, "cuda", gen)
-            weights, ids = random_routing(t, routed, K3_TOPK, "cuda", gen)
+            weights, ids = random_routing(t, routed, K3_TOPK, "cuda", gen, held=e if emap is not None else None)
             held = ids if emap is None else ids[emap[ids.long()] >= 0]
             floor = int(torch.unique(held).numel()) * mxfp4_bytes_per_expert(h, i) / (bw * 1e9) * 1e6
             row = {"fmt": fmt, "tokens": t, "floor_bw_us": floor}

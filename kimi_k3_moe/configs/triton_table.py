@@ -42,6 +42,9 @@ class KernelConfig:
     # aligned stage 1 with pairs: gate and up rows stacked in one [2 x block_n] tile, one dot per K step
     # (with 8 warps each warpgroup holds one of them: half the accumulator registers per thread)
     stack_gate_up: bool = False
+    # aligned stage 2: N tiles per program in one flattened loop (its K = I is a few steps only, so
+    # per-tile loads would otherwise start from an empty pipeline at every tile)
+    n_tiles: int = 1
 
     def validate(self, k: int, what: str, min_block_n: int = 16) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -56,6 +59,8 @@ class KernelConfig:
             raise ValueError(f"{what}: interleave=False needs block_k >= 128 (8 dots of block_k/8 >= 16)")
         if self.num_stages < 1:
             raise ValueError(f"{what}.num_stages = {self.num_stages} must be >= 1")
+        if self.n_tiles < 1:
+            raise ValueError(f"{what}.n_tiles = {self.n_tiles} must be >= 1")
         if self.stack_gate_up and not self.pairs:
             raise ValueError(f"{what}: stack_gate_up needs pairs (the stacked tile is read in pair order)")
 
@@ -88,6 +93,8 @@ class MoEConfig:
         self.stage2.validate(inter, "stage2", min_n)
         if self.stage2.stack_gate_up:
             raise ValueError("stage2.stack_gate_up: stage 2 has no gate and up rows")
+        if self.stage1.n_tiles != 1 or (self.path == "gemv" and self.stage2.n_tiles != 1):
+            raise ValueError("n_tiles: only the aligned stage 2 takes several N tiles per program")
         return self
 
     def to_json(self) -> dict:

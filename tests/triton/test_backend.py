@@ -40,10 +40,16 @@ ALIGNED_MIXED_PAIRS = replace(ALIGNED_PAIRS, stage1=ALIGNED_WORDDOTS.stage1)
 ALIGNED_STACKED = replace(ALIGNED_PAIRS, block_m=32, stage1=replace(ALIGNED_PAIRS.stage1, block_n=32, num_warps=8,
                                                                     stack_gate_up=True))
 ALIGNED_STACKED_NOSWAP = replace(ALIGNED_PAIRS_NOSWAP, stage1=replace(ALIGNED_PAIRS_NOSWAP.stage1, stack_gate_up=True))
+# stage 2 taking several N tiles per program (K unrolled): 3 tiles of 32 over H = 128, so the second
+# program's last two tiles lie past H; two K steps of 32 over I = 64
+ALIGNED_S2_TILES = replace(ALIGNED_PAIRS, stage2=replace(ALIGNED_PAIRS.stage2, block_n=32, block_k=32, n_tiles=3))
+ALIGNED_NOSWAP_S2_TILES = replace(ALIGNED_NOSWAP, stage2=replace(ALIGNED_NOSWAP.stage2, block_n=32, block_k=32,
+                                                                  n_tiles=2))
 PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS,
          "aligned-pairs": ALIGNED_PAIRS, "aligned-pairs-noswap": ALIGNED_PAIRS_NOSWAP,
          "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS,
-         "aligned-stacked": ALIGNED_STACKED, "aligned-stacked-noswap": ALIGNED_STACKED_NOSWAP}
+         "aligned-stacked": ALIGNED_STACKED, "aligned-stacked-noswap": ALIGNED_STACKED_NOSWAP,
+         "aligned-s2-tiles": ALIGNED_S2_TILES, "aligned-noswap-s2-tiles": ALIGNED_NOSWAP_S2_TILES}
 
 
 def reference(backend, prepared, hidden, weights, ids, act, emap=None):
@@ -113,7 +119,7 @@ def test_betas_are_honoured(problem):
     assert relative_l2(outs[0], outs[2].float()) > 1e-3
 
 
-@pytest.mark.parametrize("path", ["gemv", "aligned", "aligned-pairs", "aligned-stacked"])
+@pytest.mark.parametrize("path", ["gemv", "aligned", "aligned-pairs", "aligned-stacked", "aligned-s2-tiles"])
 def test_expert_map_skips_experts_of_other_ranks(path, problem):
     ex, _, gen = problem
     backend = get_backend("triton", config=PATHS[path])

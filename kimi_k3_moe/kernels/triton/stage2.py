@@ -22,13 +22,13 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
     hidden = experts.hidden_size
     topk = topk_weights.shape[1]
     y = torch.empty(pairs.num_pairs, hidden, dtype=torch.bfloat16, device=inter.device)
-    matmul = Launch(stage2_aligned_kernel, (pairs.max_blocks * cdiv(hidden, cfg.block_n),), dict(
+    matmul = Launch(stage2_aligned_kernel, (pairs.max_blocks * cdiv(hidden, cfg.block_n * cfg.n_tiles),), dict(
         inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2", decode),
         y_ptr=y, stride_ym=y.stride(0), topk_w_ptr=topk_weights.reshape(-1),
         sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
         num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
         SWAP=cfg.swap, INTERLEAVE=cfg.interleave, PAIRS=cfg.pairs,
-        BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k),
+        BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles),
         cfg.num_warps, cfg.num_stages, "stage2.aligned")
     return [matmul, topk_reduce(y, pairs, out, topk)]
 

@@ -32,7 +32,9 @@ ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (32, 128, 4, 3, STACKED), (64, 128, 8, 3, 
               (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
               # two stages: less shared memory per CTA, so more CTAs per SM on the latency-bound sizes
               (64, 256, 4, 2, False), (64, 128, 4, 2, False), (128, 128, 8, 2, False)]
-ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS),
+# the sixth field, N tiles per program (KernelConfig.n_tiles): the H200's winners at 4-1024 tokens (2026-12-01)
+ALIGNED_S2 = [(64, 128, 4, 3, PAIRS, 8), (64, 128, 4, 3, PAIRS, 14), (64, 64, 4, 2, PAIRS, 4),
+              (128, 128, 4, 2, False, 4), (64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS),
               (128, 64, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
               (128, 128, 8, 3, True), (128, 128, 4, 4, False), (64, 128, 4, 3, False)]
 REGISTER_MARGIN = 250  # configs using more are treated as spilling (see tune_entry)
@@ -56,11 +58,12 @@ def swaps(block_m: int) -> list[bool]:
 
 
 def kc(t, swap=True) -> KernelConfig:
-    bn, bk, w, s, *order = t
-    order = order[0] if order else True
+    bn, bk, w, s, *rest = t
+    order = rest[0] if rest else True
+    n_tiles = rest[1] if len(rest) > 1 else 1
     return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap,
                         interleave=order is not False, pairs=order in (PAIRS, STACKED),
-                        stack_gate_up=order == STACKED)
+                        stack_gate_up=order == STACKED, n_tiles=n_tiles)
 
 
 def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
@@ -89,8 +92,8 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
         s1 = [replace(base, stage1=kc(c, sw)) for c, sw in product(ALIGNED_S1[:n], swaps(bm))]
         s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2[:n], swaps(bm))]
         # shapes whose stage-2 K (= I) does not take block_k 128 (TP16: I = 192) get block_k 64 tiles
-        s2 += [replace(base, stage2=kc((bn, 64, w, st, order), sw)) for (bn, bk, w, st, order), sw
-               in product(ALIGNED_S2[:n], swaps(bm)) if inter % bk]
+        s2 += [replace(base, stage2=kc((c[0], 64, *c[2:]), sw)) for c, sw
+               in product(ALIGNED_S2[:n], swaps(bm)) if inter % c[1]]
         s1 = [c for c in s1 if valid(c, hidden, inter)]
         s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
         if s1 and s2:

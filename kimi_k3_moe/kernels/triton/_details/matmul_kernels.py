@@ -219,6 +219,63 @@ def stage1_aligned_kernel(
     tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < inter_size)[None, :])
 
 
+@triton.jit
+def _stage2_step(acc, k0, a_rows, a_words, a_plain, row_ok, ka, w_rows, s_rows, o_rows, mask_n,
+                 FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
+                 INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += inter[rows, k0:k0+BLOCK_K] . W2_e[n, k0:k0+BLOCK_K] in the config's K order."""
+    if PAIRS:
+        x = cast_to(tl.load(a_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
+        w = load_weight_pairs(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+        acc = _dot1(acc, x, w, SWAP)
+    elif INTERLEAVE:
+        xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+        xb = cast_to(tl.load(a_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+        wa, wb = load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+        acc = _acc_dot(acc, xa, xb, wa, wb, SWAP)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, row_ok[:, None], BLOCK_K // 8)
+        v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT,
+                                                           HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+        acc = _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP)
+    return acc
+
+
+@triton.jit
+def _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base,
+                 stride_sn: tl.constexpr, y_ptr, stride_ym, topk_w_ptr, n0, hidden, inter_size: tl.constexpr, xs,
+                 FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
+                 INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of y starting at column n0: the K loop and the store."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = (offs_n < hidden)[:, None]
+    w_rows = w_ptr + w_base + offs_n[:, None].to(tl.int64) * stride_wn
+    so = s_base + offs_n[:, None].to(tl.int64) * stride_sn
+    s_rows = s_ptr + so
+    o_rows = o_ptr + so
+    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    if UNROLL_K:  # the caller's tile loop is the pipelined one: all of K in one iteration
+        for i in tl.static_range(inter_size // BLOCK_K):
+            if PAIRS:  # the activations were loaded once for all tiles (xs)
+                w = load_weight_pairs(w_rows, s_rows, o_rows, i * BLOCK_K, mask_n, FMT, HAS_OFFSETS, DECODE,
+                                      BLOCK_N, BLOCK_K)
+                acc = _dot1(acc, xs[i], w, SWAP)
+            else:
+                acc = _stage2_step(acc, i * BLOCK_K, a_rows, a_words, a_plain, row_ok, ka, w_rows, s_rows, o_rows,
+                                   mask_n, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_N, BLOCK_K)
+    else:
+        for k0 in range(0, inter_size, BLOCK_K):
+            acc = _stage2_step(acc, k0, a_rows, a_words, a_plain, row_ok, ka, w_rows, s_rows, o_rows, mask_n,
+                               FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_N, BLOCK_K)
+    if SWAP:
+        acc = tl.trans(acc)
+    gate = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * gate[:, None]
+    out = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(out, cast_to(acc, y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < hidden)[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def stage2_aligned_kernel(
     inter_ptr, stride_im,
@@ -231,53 +288,43 @@ def stage2_aligned_kernel(
     num_pairs, hidden, inter_size: tl.constexpr,
     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
     INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
 ):
     """y[pair, n] = router_weight[pair] * (inter[row] . W2_e[n]), stored per (token, slot) pair.
 
+    Each program takes N_TILES consecutive N tiles of one row block. With N_TILES > 1 a tile's
+    K steps are unrolled and the tile loop is the pipelined one, so the next tiles' weights are in
+    flight during a tile's decode and store (K = I is a few steps: a K loop per tile starts from an
+    empty pipeline every time).
     PAIRS: inter in pair order, one dot per K step. Padded rows (never stored by stage 1)
     are not loaded."""
-    pid_m, pid_n = _block_and_tile(hidden, BLOCK_N)
+    pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < num_pairs
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = (offs_n < hidden)[:, None]
     ka = word_k_offsets(BLOCK_K)
     a_rows = inter_ptr + rows[:, None].to(tl.int64) * stride_im
-    w_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-    so = e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-    s_rows = s_ptr + so
-    o_rows = o_ptr + so
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     a_words = a_rows + tl.arange(0, BLOCK_K // 8)[None, :]
     a_plain = a_rows + tl.arange(0, BLOCK_K)[None, :]
-    for k0 in range(0, inter_size, BLOCK_K):
-        if PAIRS:
-            x = cast_to(tl.load(a_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
-            w = load_weight_pairs(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-            acc = _dot1(acc, x, w, SWAP)
-        elif INTERLEAVE:
-            xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
-            xb = cast_to(tl.load(a_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0),
-                         tl.bfloat16)
-            wa, wb = load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
-                                      BLOCK_N, BLOCK_K)
-            acc = _acc_dot(acc, xa, xb, wa, wb, SWAP)
-        else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, row_ok[:, None], BLOCK_K // 8)
-            v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT,
-                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-            acc = _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP)
-    if SWAP:
-        acc = tl.trans(acc)
-    gate = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    acc = acc * gate[:, None]
-    out = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(out, cast_to(acc, y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < hidden)[None, :])
+    w_base = e * stride_we
+    s_base = e * stride_se
+    xs = ()
+    if N_TILES == 1:
+        _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base,
+                     stride_sn, y_ptr, stride_ym, topk_w_ptr, pid_g * BLOCK_N, hidden, inter_size, xs, FMT,
+                     HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_M, BLOCK_N, BLOCK_K, False)
+    else:
+        if PAIRS:  # the block's activations, all of K, loaded once for its N tiles
+            for k0 in tl.static_range(0, inter_size, BLOCK_K):
+                xs = xs + (cast_to(tl.load(a_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16),)
+        for t in range(0, N_TILES):
+            _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stride_wn, s_ptr, o_ptr,
+                         s_base, stride_sn, y_ptr, stride_ym, topk_w_ptr, (pid_g * N_TILES + t) * BLOCK_N, hidden,
+                         inter_size, xs, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_M, BLOCK_N,
+                         BLOCK_K, True)
 
 
 @triton.jit
