@@ -81,3 +81,16 @@ def test_pair_order_is_the_wgmma_register_order():
     want = [32 * (c // 32) + 8 * ((c >> 1) & 3) + 2 * ((c >> 3) & 3) + (c & 1) for c in range(n)]
     assert got.tolist() == want
     assert got[got.long()].tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("rows,k", [(37, 96), (16, 3584)])
+def test_pair_order_copy_of_the_activations(rows, k, gen):
+    """stage1.pair_order's copy (contiguous tiles, the 4 x 4 swap in registers) puts x[:, K] where
+    the pair order wants it, for row counts and K that are not multiples of its tile."""
+    from kimi_k3_moe.kernels.triton.stage1 import pair_order as pair_order_copy
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    out, launch = pair_order_copy(x)
+    launch.kernel[launch.grid](**launch.args, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    c = torch.arange(k)
+    src = 32 * (c // 32) + 8 * ((c >> 1) & 3) + 2 * ((c >> 3) & 3) + (c & 1)
+    assert torch.equal(out, x[:, src])

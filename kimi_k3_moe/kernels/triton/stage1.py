@@ -14,7 +14,7 @@ from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
 from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_pairs_kernel, permute_words_kernel
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
-from kimi_k3_moe.kernels.triton.launch import Launch, cdiv
+from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.experts import MXFP4
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 
@@ -62,13 +62,14 @@ def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch
         4, 1, "stage1.word_order")
 
 
-def pair_order(hidden: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, Launch]:
+def pair_order(hidden: torch.Tensor, block_t: int = 16, block_k: int = 512) -> tuple[torch.Tensor, Launch]:
     """hidden (any float dtype, K a multiple of 32) -> bf16 copy in pair order (decode.pair_order)."""
+    rows, k = hidden.shape
     out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
-    block_k = min(block_k, hidden.shape[1] & -hidden.shape[1])
-    return out, Launch(permute_pairs_kernel, (hidden.shape[0], cdiv(hidden.shape[1], block_k)), dict(
-        x_ptr=hidden, stride_xm=hidden.stride(0), out_ptr=out, stride_om=out.stride(0), BLOCK_K=block_k),
-        4, 1, "stage1.pair_order")
+    block_k = min(block_k, next_pow2(k))
+    return out, Launch(permute_pairs_kernel, (cdiv(rows, block_t), cdiv(k, block_k)), dict(
+        x_ptr=hidden, stride_xm=hidden.stride(0), out_ptr=out, stride_om=out.stride(0), num_rows=rows, K=k,
+        BLOCK_T=block_t, BLOCK_K=block_k), 4, 1, "stage1.pair_order")
 
 
 def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,

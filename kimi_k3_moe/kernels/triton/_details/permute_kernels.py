@@ -10,7 +10,6 @@ stage 2 reads it that way (`word_position`).
 import triton
 import triton.language as tl
 
-from kimi_k3_moe.kernels.triton._details.decode import pair_order
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 
 
@@ -34,10 +33,16 @@ def permute_words_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.const
 
 
 @triton.jit
-def permute_pairs_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.constexpr):
-    """out[t] = x[t] in pair order (bf16; decode.pair_order, its own inverse); one program per
-    (row, BLOCK_K tile). The one-dot kernels then load their activations contiguously."""
-    t = tl.program_id(0).to(tl.int64)
+def permute_pairs_kernel(x_ptr, stride_xm, out_ptr, stride_om, num_rows, K: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t] = x[t] in pair order (bf16; decode.pair_order, its own inverse) for BLOCK_T rows x
+    BLOCK_K columns per program. Inside each 32-group pair order swaps the 4 x 4 (word, pair)
+    indices of K = 32g + 8q + 2p + b, so rows are read and written contiguously and the swap is
+    a register permute (a gather by pair_order(k) reads 2 bytes per load: 0.8 TB/s on the H200)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    v = tl.load(x_ptr + t * stride_xm + pair_order(k))
-    tl.store(out_ptr + t * stride_om + k, cast_to(v, tl.bfloat16))
+    mask = (t < num_rows)[:, None] & (k < K)[None, :]
+    v = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xm + k[None, :], mask=mask, other=0.0)
+    v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_T, BLOCK_K // 32, 4, 4, 2)), (0, 1, 3, 2, 4)),
+                   (BLOCK_T, BLOCK_K))
+    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_om + k[None, :], cast_to(v, tl.bfloat16), mask=mask)
