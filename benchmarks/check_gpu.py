@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
 from kimi_k3_moe.configs.triton_table import heuristic_config  # noqa: E402
+from kimi_k3_moe.formats.bf16 import round_once  # noqa: E402
 from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.kernels.triton.probe import decode_rows  # noqa: E402
@@ -164,11 +165,13 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
                 got = decode_rows(p.w13[ex, rows], p.w13_scale[ex, rows],
                                   None if p.w13_offset is None else p.w13_offset[ex, rows], real_fmt, decode,
                                   block_k=128, wide_scales=p.wide_scales)
-                want = backends[real_fmt].dequantize_prepared(p, ex)[0][rows]
-                want_bf16 = want.bfloat16().float()  # the kernels feed bf16 to the dot
+                exact = p.dequantize(ex, torch.float64)[0][rows]
+                # the kernels feed bf16 to the dot: the PTX decoders round q * s (+ o) once (a bf16x2
+                # FMA), the portable one rounds it to fp32, then to bf16 (the same unless offsets)
+                want_bf16 = (round_once(exact) if decode == "ptx" else exact.float().bfloat16()).float()
                 bad = int((got != want_bf16).sum())
                 chk.record(bad == 0, check="decode", fmt=fmt, decode=decode, expert=ex, mismatches=bad,
-                           max_abs=float((got - want).abs().max()))
+                           max_abs=float((got.double() - exact).abs().max()))
 
     caches = {"mxfp4": dequantized_cache(backends["mxfp4"], prepared["mxfp4"], torch.bfloat16),
               "int4": dequantized_cache(backends["int4"], prepared["int4"], torch.float32)}

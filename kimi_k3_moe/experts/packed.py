@@ -115,18 +115,19 @@ class PackedExperts(PackedShapes):
         return tuple(t for t in (self.w13, self.w13_scale, self.w2, self.w2_scale, self.w13_offset,
                                  self.w2_offset) if t is not None)
 
-    def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 (w13 [2I, H], w2 [H, I]) of one expert, decoded through the formats' own decoders."""
+    def dequantize(self, expert: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [2I, H], w2 [H, I]) of one expert in `dtype` (float64: exact), decoded through the
+        formats' own decoders."""
         out = []
         for name in ("w13", "w2"):
             codes = self.layout.unswizzle(getattr(self, name)[expert], self.fmt)
             scale = getattr(self, f"{name}_scale")[expert]
             if self.fmt == MXFP4:
-                out.append(mxfp4.dequantize(codes, scale, name=f"{name}[{expert}]"))
+                out.append(mxfp4.dequantize(codes, scale, name=f"{name}[{expert}]", dtype=dtype))
             else:
                 offset = getattr(self, f"{name}_offset")
                 offset = None if offset is None else offset[expert]
-                out.append(int4.Int4Weights(codes, scale, offsets=offset).dequantize())
+                out.append(int4.Int4Weights(codes, scale, offsets=offset).dequantize(dtype))
         return out[0], out[1]
 
 

@@ -65,10 +65,12 @@ class Int4Weights:
         return self.packed.numel() + self.scales.numel() * 2 + extra
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        codes = unpack_signed(self.packed).to(torch.float32)
-        groups = codes.unflatten(-1, (-1, GROUP_SIZE)) * self.scales.float().unsqueeze(-1)
+        """q * s (+ o); in float64 when asked for (exact), else float32 (q * s exact, the sum rounded)."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        codes = unpack_signed(self.packed).to(work)
+        groups = codes.unflatten(-1, (-1, GROUP_SIZE)) * self.scales.to(work).unsqueeze(-1)
         if self.offsets is not None:
-            groups = groups + self.offsets.float().unsqueeze(-1)
+            groups = groups + self.offsets.to(work).unsqueeze(-1)
         return groups.flatten(-2).to(dtype)
 
     def _map(self, fn) -> "Int4Weights":

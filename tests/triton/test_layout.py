@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kimi_k3_moe.formats import int4, mxfp4
+from kimi_k3_moe.formats.bf16 import round_once
 from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.kernels.triton import layout
 from kimi_k3_moe.kernels.triton._details import constants as C, decode
@@ -46,7 +47,8 @@ def _bf16_to_float(bits: int) -> float:
 
 
 def _float_to_bf16(x: float) -> int:
-    return torch.tensor([x], dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+    """PTX's .rn: rounded once (torch's float64 -> bf16 goes through float32: twice)."""
+    return round_once(torch.tensor([x], dtype=torch.float64)).view(torch.int16).item() & 0xFFFF
 
 
 def run_ptx(asm: str, word: int, scale_pair: int = 0, offset_pair: int = 0) -> list[int]:
@@ -159,12 +161,26 @@ def test_ptx_int4_decoder_scales_every_code_with_one_rounding(asym, gen):
         got = [_bf16_to_float(v) for v in run_ptx(decode.INT4_WORD_PTX.value, word, _pair(s_bits), _pair(o_bits))]
         q = int4.unpack_signed(mxfp4.pack_nibbles(row)).double()
         exact = q * scales[i].double() + (offsets[i].double() if asym else 0.0)
-        want = exact.bfloat16().double().tolist()
+        want = round_once(exact).double().tolist()
         assert got == want, (hex(word & 0xFFFFFFFF), scales[i].item(), got, want)
         if not asym:  # the DECODE_BITS path: fp32 q * s, then bf16
             fp32_path = (q.float() * scales[i].float()).bfloat16().double().tolist()
             assert got == fp32_path
             assert all(math.copysign(1, g) == math.copysign(1, w) for g, w in zip(got, fp32_path) if g == 0)
+
+
+def test_ptx_int4_decoder_rounds_once_where_float32_rounds_twice():
+    """7 * (37 * 2^-10) = 259 * 2^-10 is a bf16 tie; an offset of -2^-30 puts the exact value below it,
+    so bf16 is 258 * 2^-10. float32 cannot hold the sum (29 bits) and rounds onto the tie, which
+    then goes to even, 260 * 2^-10: the portable decoder's documented double rounding."""
+    word = layout._words_from_codes(torch.full((1, 8), 7, dtype=torch.uint8), "int4").view(torch.int32).item()
+    s = torch.tensor([37 * 2.0 ** -10]).bfloat16()
+    o = torch.tensor([-2.0 ** -30]).bfloat16()
+    bits = [t.view(torch.int16).item() & 0xFFFF for t in (s, o)]
+    got = [_bf16_to_float(v) for v in run_ptx(decode.INT4_WORD_PTX.value, word, _pair(bits[0]), _pair(bits[1]))]
+    exact = torch.tensor([7 * 37 * 2.0 ** -10 - 2.0 ** -30], dtype=torch.float64)
+    assert got == [258 * 2.0 ** -10] * 8 == round_once(exact).double().tolist() * 8
+    assert exact.float().bfloat16().item() == 260 * 2.0 ** -10 == exact.bfloat16().item()
 
 
 def test_prepared_experts_decode_to_their_source(gen):
