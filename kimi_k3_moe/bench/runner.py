@@ -61,7 +61,8 @@ def run_bench(peers: list[Peer], shape: Shape, tokens: list[int], activation: Ac
     for t in tokens:
         progress(f"{t} tokens")
         hidden = random_hidden(t, shape.hidden, device, gen)
-        weights, ids = random_routing(t, shape.num_experts, shape.topk, device, gen)
+        weights, ids = random_routing(t, shape.num_experts, shape.topk, device, gen,
+                                      held=shape.held_experts if shape.is_ep else None)
         held = ids[ids < shape.held_experts]
         distinct = int(torch.unique(held).numel())
         pairs = int(held.numel())

@@ -112,7 +112,8 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
         tier_out_of_time = False
         first = None  # the target's first candidate of this tier
         hidden = random_hidden(tier, shape.hidden, device, gen)  # fresh data every run, every tier
-        weights, ids = random_routing(tier, shape.num_experts, shape.topk, device, gen)
+        weights, ids = random_routing(tier, shape.num_experts, shape.topk, device, gen,
+                                      held=shape.held_experts if shape.is_ep else None)
         ref = silu_ref = None
         seen: dict[str, Candidate] = {}
         while True:
