@@ -34,12 +34,18 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
 
 
 def _candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
-    """The table's config with its (swapped) stage 2 taking several N tiles per program
-    (`KernelConfig.n_tiles`: K unrolled, the tile loop pipelined). At 4096+ tokens the 128-row
-    inter tile would be multi-buffered per tile (over 200 KB of shared memory), so none there."""
-    if base.path != "aligned" or not base.stage2.swap or base.block_m > 64:
+    """The table's config with its stage 2 taking several N tiles per program
+    (`KernelConfig.n_tiles`: K unrolled, the tile loop pipelined); at 4096+ tokens (stage 2 not
+    swapped) in pair order, the row block's activations held once as the A operand."""
+    if base.path != "aligned":
         return {}
     s2 = base.stage2
+    if not s2.swap:  # 4096+: the not-swapped stage 2 keeps the row block's activations as its A operand
+        pairs = replace(s2, pairs=True, interleave=True, block_k=128, num_stages=2)
+        return {f"s2-pairs-n{bn}-tiles{n}-k128-s2": replace(base, stage2=replace(pairs, block_n=bn, n_tiles=n))
+                for bn, n in ((128, 2), (128, 4), (128, 7), (64, 4), (64, 8))}
+    if base.block_m > 64:
+        return {}
     out = {f"s2-tiles{n}-k{bk}-s{st}": replace(base, stage2=replace(s2, n_tiles=n, block_k=bk, num_stages=st))
            for n in (4, 8, 14, 28) for bk, st in ((128, 2), (128, 3), (64, 2))}
     if not s2.pairs:  # stage 2 in pair order instead (stage 1 then writes inter in that order)
