@@ -96,5 +96,12 @@ def test_config_json_roundtrip_and_validation():
     with pytest.raises(ValueError, match="block_n = 8 must be >= 16"):
         MoEConfig("aligned", stage1=KernelConfig(block_n=8)).validate(3584, 384)
     MoEConfig("gemv", stage1=KernelConfig(block_n=8)).validate(3584, 384)
+    with pytest.raises(ValueError, match="n_tiles: only the aligned stage 2"):
+        MoEConfig(stage1=KernelConfig(n_tiles=2)).validate(3584, 384)
+    with pytest.raises(ValueError, match="n_tiles: only the aligned stage 2"):
+        MoEConfig("gemv", stage2=KernelConfig(n_tiles=2)).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage2.n_tiles = 0 must be >= 1"):
+        MoEConfig(stage2=KernelConfig(n_tiles=0)).validate(3584, 384)
+    MoEConfig(stage2=KernelConfig(n_tiles=14)).validate(3584, 384)
     assert tt.device_key("NVIDIA H200") == "nvidia_h200"
     assert tt.device_key("AMD Instinct MI300X") == "amd_instinct_mi300x"
