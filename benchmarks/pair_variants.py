@@ -36,7 +36,8 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
 def _candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
     """The table's config with its stage 2 taking several N tiles per program
     (`KernelConfig.n_tiles`: K unrolled, the tile loop pipelined); at 4096+ tokens (stage 2 not
-    swapped) in pair order, the row block's activations held once as the A operand."""
+    swapped: the table's 4096+ entries) in pair order, the row block's activations held once as the
+    A operand (measured slower there, 2026-12-01; kept as data)."""
     if base.path != "aligned":
         return {}
     s2 = base.stage2

@@ -28,10 +28,12 @@ def random_routing(num_tokens: int, num_experts: int, topk: int, device, gen: to
     `held`: the rank holds experts [0, held) (EP). Drawn again until the rank's (token, slot) pairs
     are within one standard deviation of its share T*K*held/E and at least one: a row where the
     rank has nothing to do (36 % of single-token draws at EP16) would time an empty MoE."""
+    if held is not None and held < 1:
+        raise ValueError(f"held = {held}: the rank must hold at least one expert")
     for _ in range(tries):
         scores = torch.rand(num_tokens, num_experts, device=device, generator=gen)
         weights, ids = scores.topk(topk, dim=1)
-        if held is None or held >= num_experts:
+        if held is None or held >= num_experts or num_tokens == 0:
             break
         share = num_tokens * topk * held / num_experts
         local = int((ids < held).sum())

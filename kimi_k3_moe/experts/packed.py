@@ -116,8 +116,8 @@ class PackedExperts(PackedShapes):
                                  self.w2_offset) if t is not None)
 
     def dequantize(self, expert: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [2I, H], w2 [H, I]) of one expert in `dtype` (float64: exact), decoded through the
-        formats' own decoders."""
+        """(w13 [2I, H], w2 [H, I]) of one expert in `dtype`, decoded through the formats' own
+        decoders (MXFP4 values are exact in float32; int4's q * s + o is exact only in float64)."""
         out = []
         for name in ("w13", "w2"):
             codes = self.layout.unswizzle(getattr(self, name)[expert], self.fmt)

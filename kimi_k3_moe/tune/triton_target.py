@@ -51,7 +51,8 @@ class TritonTarget:
             tag = f"{path} bm{bm}"
             first = [self._cand(tier, base, f"{tag} base")]
             first += [self._cand(tier, c, f"{tag} s1 {c.stage1.block_n}x{c.stage1.block_k}") for c in s1]
-            first += [self._cand(tier, c, f"{tag} s2 {c.stage2.block_n}x{c.stage2.block_k}") for c in s2]
+            first += [self._cand(tier, c, f"{tag} s2 {c.stage2.block_n}x{c.stage2.block_k}"
+                                           + (f"x{c.stage2.n_tiles}t" if c.stage2.n_tiles > 1 else "")) for c in s2]
             if self.max_per_round:
                 first = first[:self.max_per_round]
             out += first

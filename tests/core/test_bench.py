@@ -201,11 +201,10 @@ def test_an_unwritable_json_path_is_refused_before_any_gpu_work(tmp_path, capsys
     assert a_file.read_text() == "x" and report.require_writable(a_file) == a_file and a_file.read_text() == "x"
 
 
-def test_ep_routing_gives_the_rank_its_share():
+def test_ep_routing_gives_the_rank_its_share(gen):
     """EP16 bench rows: the rank holding 56 of 896 experts gets about T*K/16 pairs and never none
     (a draw with none would time an empty MoE and cannot tell SiLU from SiTUv2)."""
     from kimi_k3_moe.bench.data import random_routing
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
     for tokens in (1, 4, 64):
         for _ in range(20):
             weights, ids = random_routing(tokens, 896, 16, "cpu", gen, held=56)

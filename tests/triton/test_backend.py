@@ -44,12 +44,15 @@ ALIGNED_STACKED_NOSWAP = replace(ALIGNED_PAIRS_NOSWAP, stage1=replace(ALIGNED_PA
 # program's last two tiles lie past H; two K steps of 32 over I = 64
 ALIGNED_S2_TILES = replace(ALIGNED_PAIRS, stage2=replace(ALIGNED_PAIRS.stage2, block_n=32, block_k=32, n_tiles=3))
 ALIGNED_NOSWAP_S2_TILES = replace(ALIGNED_NOSWAP, stage2=replace(ALIGNED_NOSWAP.stage2, block_n=32, block_k=32,
-                                                                  n_tiles=2))
+                                                                  n_tiles=3))
+ALIGNED_PAIRS_NOSWAP_S2_TILES = replace(ALIGNED_PAIRS_NOSWAP, stage2=replace(ALIGNED_PAIRS_NOSWAP.stage2, block_n=32,
+                                                                              n_tiles=3))
 PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS,
          "aligned-pairs": ALIGNED_PAIRS, "aligned-pairs-noswap": ALIGNED_PAIRS_NOSWAP,
          "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS,
          "aligned-stacked": ALIGNED_STACKED, "aligned-stacked-noswap": ALIGNED_STACKED_NOSWAP,
-         "aligned-s2-tiles": ALIGNED_S2_TILES, "aligned-noswap-s2-tiles": ALIGNED_NOSWAP_S2_TILES}
+         "aligned-s2-tiles": ALIGNED_S2_TILES, "aligned-noswap-s2-tiles": ALIGNED_NOSWAP_S2_TILES,
+         "aligned-pairs-noswap-s2-tiles": ALIGNED_PAIRS_NOSWAP_S2_TILES}
 
 
 def reference(backend, prepared, hidden, weights, ids, act, emap=None):
@@ -90,11 +93,13 @@ def test_matches_reference_and_honours_the_activation(fmt, path, problem):
     assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
 
 
-def test_stage2_word_dots(gen):
-    """Stage 2 with eight word-strided dots needs I >= 128: its own, slightly larger problem."""
+@pytest.mark.parametrize("n_tiles", [1, 3])
+def test_stage2_word_dots(n_tiles, gen):
+    """Stage 2 with eight word-strided dots needs I >= 128: its own, slightly larger problem; with
+    3 N tiles of 64 per program over H = 128 the first program's last tile lies past H."""
     ex = P.experts(gen, i=128)
     cfg = MoEConfig("aligned", 32, KernelConfig(64, 128, 4, 2, swap=False, interleave=False),
-                    KernelConfig(64, 128, 4, 2, swap=True, interleave=False), "bits")
+                    KernelConfig(64, 128, 4, 2, swap=True, interleave=False, n_tiles=n_tiles), "bits")
     backend = get_backend("triton", config=cfg)
     prepared = backend.prepare(ex)
     hidden = P.hidden(gen, 3)

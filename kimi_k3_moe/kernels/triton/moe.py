@@ -20,11 +20,11 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
     s1_cfg, s2_cfg = config.stage1, config.stage2
     if config.path == "gemv":  # both stages read their activations in word order
         x, permute = word_order(hidden, s1_cfg.block_k)
+        s2_block_k = gemv_block_k(s2_cfg, topk_ids.shape[1], experts.intermediate_size, expert_map)
         inter, s1 = stage1_gemv(experts, x, topk_ids, expert_map, activation, s1_cfg, config.decode,
-                                out_block_k=gemv_block_k(s2_cfg, topk_ids.shape[1], experts.intermediate_size,
-                                                         expert_map))
+                                out_block_k=s2_block_k)  # stage 2 reads inter in that word order
         return [permute, s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
-                                          s2_cfg, config.decode)]
+                                          s2_cfg, config.decode, s2_block_k)]
     pairs, align = align_launches(topk_ids, expert_map, experts.num_experts, config.block_m)
     launches = list(align)
     x = hidden

@@ -65,6 +65,8 @@ def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch
 def pair_order(hidden: torch.Tensor, block_t: int = 16, block_k: int = 512) -> tuple[torch.Tensor, Launch]:
     """hidden (any float dtype, K a multiple of 32) -> bf16 copy in pair order (decode.pair_order)."""
     rows, k = hidden.shape
+    if k % 32:
+        raise ValueError(f"hidden: K = {k} must be a multiple of 32 for the pair order")
     out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
     block_k = min(block_k, next_pow2(k))
     return out, Launch(permute_pairs_kernel, (cdiv(rows, block_t), cdiv(k, block_k)), dict(

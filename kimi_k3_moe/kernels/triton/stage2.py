@@ -57,7 +57,8 @@ def gemv_block_k(cfg: KernelConfig, topk: int, inter_size: int, expert_map: torc
 
 def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, expert_map: torch.Tensor | None, out: torch.Tensor,
-                cfg: KernelConfig, decode: str) -> list[Launch]:
+                cfg: KernelConfig, decode: str, block_k: int) -> list[Launch]:
+    """`inter` in word order of `block_k` tiles (gemv_block_k, what stage 1 was told to write)."""
     hidden = experts.hidden_size
     ids = topk_ids.reshape(-1)
     return [Launch(stage2_gemv_kernel, (out.shape[0], cdiv(hidden, cfg.block_n)), dict(
@@ -66,6 +67,5 @@ def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Ten
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
         topk_w_ptr=topk_weights.reshape(-1), hidden=hidden, inter_size=experts.intermediate_size,
         TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=gemv_block_k(cfg, topk_ids.shape[1], experts.intermediate_size, expert_map)),
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k),
         cfg.num_warps, cfg.num_stages, "stage2.gemv")]

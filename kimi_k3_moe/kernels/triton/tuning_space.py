@@ -18,7 +18,7 @@ TOPK = 16
 ACT = ActivationSpec.situv2(4.0, 25.0)
 GEMV_MAX_TOKENS = 16
 
-# (block_n, block_k, num_warps, num_stages[, order]), order True: interleave, False: word dots,
+# (block_n, block_k, num_warps, num_stages[, order[, n_tiles]]), order True: interleave, False: word dots,
 # PAIRS: one dot per K step on the pair order; STACKED: the same on one stacked gate/up tile (the H200's winners at 16-256 tokens, 2026-12-01;
 # block_k 256 is faster still under Triton 3.6, the H200 table's; it spills under 3.9). The GEMV path does its own
 # one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
@@ -32,11 +32,17 @@ ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (32, 128, 4, 3, STACKED), (64, 128, 8, 3, 
               (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
               # two stages: less shared memory per CTA, so more CTAs per SM on the latency-bound sizes
               (64, 256, 4, 2, False), (64, 128, 4, 2, False), (128, 128, 8, 2, False)]
-# the sixth field, N tiles per program (KernelConfig.n_tiles): the H200's winners at 4-1024 tokens (2026-12-01)
-ALIGNED_S2 = [(64, 128, 4, 3, PAIRS, 8), (64, 128, 4, 3, PAIRS, 14), (64, 64, 4, 2, PAIRS, 4),
-              (128, 128, 4, 2, False, 4), (64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS),
+ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS),
               (128, 64, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
               (128, 128, 8, 3, True), (128, 128, 4, 4, False), (64, 128, 4, 3, False)]
+# stage 2 with several N tiles per program (KernelConfig.n_tiles; the H200's winners at 4-1024 tokens,
+# 2026-12-01), tried up to TILES_MAX_TOKENS: above, the 128-row blocks measured slower with it
+ALIGNED_S2_TILES = [(64, 128, 4, 3, PAIRS, 8), (64, 128, 4, 3, PAIRS, 14), (64, 64, 4, 2, PAIRS, 4),
+                    (128, 128, 4, 2, False, 4)]
+TILES_MAX_TOKENS = 1024
+# per thread, the activations a pair-order stage 2 with n_tiles > 1 holds for all its tiles
+# (block_m x I bf16; 192 B = 48 registers: what TP8's 32-row blocks need, EP16's I = 3072 spills)
+TILES_X_BYTES_PER_THREAD = 192
 REGISTER_MARGIN = 250  # configs using more are treated as spilling (see tune_entry)
 QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
 
@@ -69,9 +75,11 @@ def kc(t, swap=True) -> KernelConfig:
 def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
     try:
         cfg.validate(hidden, inter)
-        return True
     except ValueError:
         return False
+    s2 = cfg.stage2
+    held = cfg.block_m * inter * 2 / (32 * s2.num_warps)
+    return not (cfg.path == "aligned" and s2.pairs and s2.n_tiles > 1 and held > TILES_X_BYTES_PER_THREAD)
 
 
 def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
@@ -90,10 +98,11 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
         base = replace(base_h, block_m=bm, stage1=replace(base_h.stage1, swap=bm <= 64),
                        stage2=replace(base_h.stage2, swap=bm <= 64))
         s1 = [replace(base, stage1=kc(c, sw)) for c, sw in product(ALIGNED_S1[:n], swaps(bm))]
-        s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2[:n], swaps(bm))]
+        s2_tiles = ALIGNED_S2[:n] + (ALIGNED_S2_TILES[:n] if tier <= TILES_MAX_TOKENS else [])
+        s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(s2_tiles, swaps(bm))]
         # shapes whose stage-2 K (= I) does not take block_k 128 (TP16: I = 192) get block_k 64 tiles
         s2 += [replace(base, stage2=kc((c[0], 64, *c[2:]), sw)) for c, sw
-               in product(ALIGNED_S2[:n], swaps(bm)) if inter % c[1]]
+               in product(s2_tiles, swaps(bm)) if inter % c[1]]
         s1 = [c for c in s1 if valid(c, hidden, inter)]
         s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
         if s1 and s2:

@@ -2,8 +2,9 @@
 
 Stage 1 runs one program per (token, slot) pair and N tile, its gate and up
 rows interleaved in one tile; stage 2 one program per token and N tile with
-all of the token's slots in one tile (rows = slot x N), summed in a fixed
-order in fp32 (deterministic, no atomics, no per-slot buffer). With a handful
+all of the token's slots in one tile (rows = slot x N), or, under an expert
+map, its local slots one at a time; summed in a fixed order in fp32
+(deterministic, no atomics, no per-slot buffer). With a handful
 of tokens nearly every pair has its own expert, so grouping pairs buys
 nothing and its launches cost more than they save.
 
@@ -106,8 +107,9 @@ def stage2_gemv_kernel(
 ):
     """out[t, n] = sum over slots of router_weight * (W2_e[n] . inter[pair]), fp32, fixed order.
 
-    inter is in word order of BLOCK_K tiles. One tile holds every slot of the token (rows = SLOTS x BLOCK_N, SLOTS = TOPK rounded up
-    to a power of two), so all of the token's experts stream at once.
+    inter is in word order of BLOCK_K tiles. Without an expert map one tile holds every slot of the
+    token (rows = SLOTS x BLOCK_N, SLOTS = TOPK rounded up to a power of two), so all of the token's
+    experts stream at once; with one (HAS_MAP), the local slots are taken one at a time.
     """
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)

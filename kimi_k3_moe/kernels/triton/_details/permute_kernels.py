@@ -32,7 +32,7 @@ def permute_words_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.const
     tl.store(out_ptr + t * stride_om + k0 + j[:, None] * W + c[None, :], cast_to(tl.trans(v), tl.bfloat16))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def permute_pairs_kernel(x_ptr, stride_xm, out_ptr, stride_om, num_rows, K: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[t] = x[t] in pair order (bf16; decode.pair_order, its own inverse) for BLOCK_T rows x
