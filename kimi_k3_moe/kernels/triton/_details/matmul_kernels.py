@@ -117,6 +117,47 @@ def _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, 
 
 
 @triton.jit
+def _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The activations of the K step at k0 in the config's K order, as `_dot_step` takes them:
+    (x,) in pair order, (xa, xb) for the interleaved halves, else the eight word views."""
+    if PAIRS:
+        return (cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16),)
+    elif INTERLEAVE:
+        xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+        xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+        return xa, xb
+    else:
+        return _load_x_words(x_words + k0, row_ok[:, None], BLOCK_K // 8)
+
+
+@triton.jit
+def _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                 DECODE: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The weight tile of the K step at k0, decoded in the config's K order (as `_load_x_step`)."""
+    if PAIRS:
+        return (load_weight_pairs(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K),)
+    elif INTERLEAVE:
+        return load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+    else:
+        return load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _dot_step(acc, xs, ws, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr):
+    """acc += xs . ws, one K step of `_load_x_step` activations and `_load_w_step` weights."""
+    if PAIRS:
+        acc = _dot1(acc, xs[0], ws[0], SWAP)
+    elif INTERLEAVE:
+        acc = _acc_dot(acc, xs[0], xs[1], ws[0], ws[1], SWAP)
+    else:
+        acc = _word_dots(acc, xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7],
+                         ws[0], ws[1], ws[2], ws[3], ws[4], ws[5], ws[6], ws[7], SWAP)
+    return acc
+
+
+@triton.jit
 def _gate_up_pair(x_rows, x_words, x_plain, row_ok, ka, gate_rows, gate_s, gate_o, up_rows, up_s, up_o, mask_n,
                   hidden: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
                   SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -125,29 +166,16 @@ def _gate_up_pair(x_rows, x_words, x_plain, row_ok, ka, gate_rows, gate_s, gate_
     acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     for k0 in range(0, hidden, BLOCK_K):
-        if PAIRS:
-            x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
-            g = load_weight_pairs(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-            u = load_weight_pairs(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-            acc_g = _dot1(acc_g, x, g, SWAP)
-            acc_u = _dot1(acc_u, x, u, SWAP)
-        elif INTERLEAVE:
-            xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
-            xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
-            ga, gb = load_weight_tile(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
-                                      BLOCK_N, BLOCK_K)
-            ua, ub = load_weight_tile(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE,
-                                      BLOCK_N, BLOCK_K)
-            acc_g = _acc_dot(acc_g, xa, xb, ga, gb, SWAP)
-            acc_u = _acc_dot(acc_u, xa, xb, ua, ub, SWAP)
-        else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(x_words + k0, row_ok[:, None], BLOCK_K // 8)
-            g0, g1, g2, g3, g4, g5, g6, g7 = load_weight_words(gate_rows, gate_s, gate_o, k0, mask_n, FMT,
-                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-            acc_g = _word_dots(acc_g, x0, x1, x2, x3, x4, x5, x6, x7, g0, g1, g2, g3, g4, g5, g6, g7, SWAP)
-            u0, u1, u2, u3, u4, u5, u6, u7 = load_weight_words(up_rows, up_s, up_o, k0, mask_n, FMT,
-                                                               HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-            acc_u = _word_dots(acc_u, x0, x1, x2, x3, x4, x5, x6, x7, u0, u1, u2, u3, u4, u5, u6, u7, SWAP)
+        xs = _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
+        gs = _load_w_step(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
+                          BLOCK_N, BLOCK_K)
+        if not (PAIRS or INTERLEAVE):  # eight word dots each: gate's are issued before up's tile is decoded
+            acc_g = _dot_step(acc_g, xs, gs, SWAP, INTERLEAVE, PAIRS)
+        us = _load_w_step(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
+                          BLOCK_N, BLOCK_K)
+        if PAIRS or INTERLEAVE:
+            acc_g = _dot_step(acc_g, xs, gs, SWAP, INTERLEAVE, PAIRS)
+        acc_u = _dot_step(acc_u, xs, us, SWAP, INTERLEAVE, PAIRS)
     if SWAP:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -220,28 +248,6 @@ def stage1_aligned_kernel(
 
 
 @triton.jit
-def _stage2_step(acc, k0, a_rows, a_words, a_plain, row_ok, ka, w_rows, s_rows, o_rows, mask_n,
-                 FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
-                 INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += inter[rows, k0:k0+BLOCK_K] . W2_e[n, k0:k0+BLOCK_K] in the config's K order."""
-    if PAIRS:
-        x = cast_to(tl.load(a_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
-        w = load_weight_pairs(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-        acc = _dot1(acc, x, w, SWAP)
-    elif INTERLEAVE:
-        xa = cast_to(tl.load(a_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
-        xb = cast_to(tl.load(a_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
-        wa, wb = load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-        acc = _acc_dot(acc, xa, xb, wa, wb, SWAP)
-    else:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x_words(a_words + k0, row_ok[:, None], BLOCK_K // 8)
-        v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT,
-                                                           HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-        acc = _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP)
-    return acc
-
-
-@triton.jit
 def _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base,
                  stride_sn: tl.constexpr, y_ptr, stride_ym, topk_w_ptr, n0, hidden, inter_size: tl.constexpr, xs,
                  FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
@@ -258,16 +264,18 @@ def _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stri
     if UNROLL_K:  # the caller's tile loop is the pipelined one: all of K in one iteration
         for i in tl.static_range(inter_size // BLOCK_K):
             if PAIRS:  # the activations were loaded once for all tiles (xs)
-                w = load_weight_pairs(w_rows, s_rows, o_rows, i * BLOCK_K, mask_n, FMT, HAS_OFFSETS, DECODE,
-                                      BLOCK_N, BLOCK_K)
-                acc = _dot1(acc, xs[i], w, SWAP)
+                x = (xs[i],)
             else:
-                acc = _stage2_step(acc, i * BLOCK_K, a_rows, a_words, a_plain, row_ok, ka, w_rows, s_rows, o_rows,
-                                   mask_n, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_N, BLOCK_K)
+                x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, i * BLOCK_K, INTERLEAVE, PAIRS, BLOCK_K)
+            w = _load_w_step(w_rows, s_rows, o_rows, i * BLOCK_K, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE,
+                             PAIRS, BLOCK_N, BLOCK_K)
+            acc = _dot_step(acc, x, w, SWAP, INTERLEAVE, PAIRS)
     else:
         for k0 in range(0, inter_size, BLOCK_K):
-            acc = _stage2_step(acc, k0, a_rows, a_words, a_plain, row_ok, ka, w_rows, s_rows, o_rows, mask_n,
-                               FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_N, BLOCK_K)
+            x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
+            w = _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
+                             BLOCK_N, BLOCK_K)
+            acc = _dot_step(acc, x, w, SWAP, INTERLEAVE, PAIRS)
     if SWAP:
         acc = tl.trans(acc)
     gate = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
@@ -319,7 +327,7 @@ def stage2_aligned_kernel(
     else:
         if PAIRS:  # the block's activations, all of K, loaded once for its N tiles
             for k0 in tl.static_range(0, inter_size, BLOCK_K):
-                xs = xs + (cast_to(tl.load(a_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16),)
+                xs = xs + _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
         for t in range(0, N_TILES):
             _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stride_wn, s_ptr, o_ptr,
                          s_base, stride_sn, y_ptr, stride_ym, topk_w_ptr, (pid_g * N_TILES + t) * BLOCK_N, hidden,
