@@ -21,7 +21,7 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
     """One-dot variants of an aligned config at `tokens` (gemv tiers get none), valid for the shape;
     stage-2 K steps that do not divide I (TP16: 192) become 64 wide."""
     out = {}
-    for name, cfg in _candidates(base, tokens).items():
+    for name, cfg in _candidates(base).items():
         if inter % cfg.stage2.block_k:
             cfg = replace(cfg, stage2=replace(cfg.stage2, block_k=64))
         try:
@@ -33,7 +33,7 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
     return out
 
 
-def _candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
+def _candidates(base: MoEConfig) -> dict[str, MoEConfig]:
     """The table's config with its stage 2 taking several N tiles per program
     (`KernelConfig.n_tiles`: K unrolled, the tile loop pipelined); at 4096+ tokens (stage 2 not
     swapped: the table's 4096+ entries) in pair order, the row block's activations held once as the

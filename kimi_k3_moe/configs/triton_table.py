@@ -42,8 +42,8 @@ class KernelConfig:
     # aligned stage 1 with pairs: gate and up rows stacked in one [2 x block_n] tile, one dot per K step
     # (with 8 warps each warpgroup holds one of them: half the accumulator registers per thread)
     stack_gate_up: bool = False
-    # aligned stage 2: N tiles per program in one flattened loop (its K = I is a few steps only, so
-    # per-tile loads would otherwise start from an empty pipeline at every tile)
+    # aligned stage 2: N tiles per program, K unrolled and the tile loop pipelined (its K = I is a few
+    # steps only, so per-tile loads would otherwise start from an empty pipeline at every tile)
     n_tiles: int = 1
 
     def validate(self, k: int, what: str, min_block_n: int = 16) -> None:
