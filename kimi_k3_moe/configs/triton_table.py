@@ -23,9 +23,17 @@ from kimi_k3_moe.configs import user_tables
 
 PATHS = ("gemv", "aligned")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
-BLOCK_MS = (16, 32, 64, 128, 256)
+# row blocks: a power of two, or a power-of-two main tile plus a smaller power-of-two tail tile
+# (row_tiles); the kernels take both tiles on one decoded weight tile
+BLOCK_MS = (16, 32, 48, 64, 96, 128, 160, 192, 256)
 TABLE_PACKAGE = "kimi_k3_moe.configs"
 TABLE_DIR = "tables"
+
+
+def row_tiles(block_m: int) -> tuple[int, int]:
+    """block_m -> (main, tail) tile rows, each a power of two (tail 0 for a power-of-two block)."""
+    main = 1 << (block_m.bit_length() - 1)
+    return main, block_m - main
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,9 @@ class MoEConfig:
     path "gemv": no token alignment; one program per (token, slot) x N tile in
     stage 1 and per token x N tile (looping over its slots) in stage 2.
     path "aligned": (token, slot) pairs grouped by expert into blocks of
-    `block_m` rows; both stages are tiled matmuls over those blocks.
+    `block_m` rows; both stages are tiled matmuls over those blocks. Stage 2
+    takes blocks of its own when `stage2_block_m` is set (a second alignment:
+    four more small launches).
     """
 
     path: str = "aligned"
@@ -80,14 +90,20 @@ class MoEConfig:
     stage1: KernelConfig = field(default_factory=KernelConfig)
     stage2: KernelConfig = field(default_factory=KernelConfig)
     decode: str = "bits"
+    stage2_block_m: int | None = None
+
+    @property
+    def block_ms(self) -> tuple[int, int]:
+        """(stage 1's, stage 2's) row blocks."""
+        return self.block_m, self.stage2_block_m or self.block_m
 
     def validate(self, hidden: int, inter: int) -> "MoEConfig":
         if self.path not in PATHS:
             raise ValueError(f"path {self.path!r} not in {PATHS}")
         if self.decode not in DECODES:
             raise ValueError(f"decode {self.decode!r} not in {DECODES}")
-        if self.path == "aligned" and self.block_m not in BLOCK_MS:
-            raise ValueError(f"block_m {self.block_m} not in {BLOCK_MS}")
+        if self.path == "aligned":
+            self._validate_row_blocks()
         min_n = 16 if self.path == "aligned" else 2  # tl.dot needs 16; the FMA path does not
         self.stage1.validate(hidden, "stage1", min_n)
         self.stage2.validate(inter, "stage2", min_n)
@@ -97,13 +113,30 @@ class MoEConfig:
             raise ValueError("n_tiles: only the aligned stage 2 takes several N tiles per program")
         return self
 
+    def _validate_row_blocks(self) -> None:
+        for bm, stage, name in ((self.block_m, self.stage1, "block_m"),
+                                (self.block_ms[1], self.stage2, "stage2_block_m")):
+            if bm not in BLOCK_MS:
+                raise ValueError(f"{name} {bm} not in {BLOCK_MS}")
+            if row_tiles(bm)[1]:
+                # the tail tile is a second MMA on the same weights: tokens must be the MMA's N side
+                if not stage.swap:
+                    raise ValueError(f"{name} {bm} (a main and a tail tile) needs that stage's swap")
+                if stage.n_tiles != 1:
+                    raise ValueError(f"{name} {bm} (a main and a tail tile) needs stage2.n_tiles 1")
+
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.stage2_block_m is None:
+            del d["stage2_block_m"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "MoEConfig":
+        s2_bm = d.get("stage2_block_m")
         return cls(path=d["path"], block_m=int(d.get("block_m", 16)), decode=d.get("decode", "bits"),
-                   stage1=KernelConfig(**d["stage1"]), stage2=KernelConfig(**d["stage2"]))
+                   stage1=KernelConfig(**d["stage1"]), stage2=KernelConfig(**d["stage2"]),
+                   stage2_block_m=None if s2_bm is None else int(s2_bm))
 
     def for_target(self, is_cuda: bool) -> "MoEConfig":
         """The PTX decode exists on NVIDIA only; elsewhere the portable decode."""

@@ -249,3 +249,59 @@ def test_gemv_stage2_with_an_expert_map_takes_long_k_steps_and_skips_other_ranks
         out = P.run(backend, prepared, hidden, weights, ids, act, emap)
         assert torch.all(out[0] == 0)
         assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, act, emap)) < TOL, act
+
+
+# row blocks of a main and a tail tile (block_m 48 = 32 + 16): the tail is a second dot on the same
+# decoded weights, so every order's K loop and both epilogues run on it
+TAIL_PAIRS = replace(ALIGNED_PAIRS, block_m=48)
+TAIL_STACKED = replace(ALIGNED_STACKED, block_m=48)
+TAIL_INTERLEAVE = replace(ALIGNED, block_m=48)
+TAIL_WORDDOTS = replace(ALIGNED_WORDDOTS, block_m=48, stage2=replace(ALIGNED_WORDDOTS.stage2, swap=True))
+# each stage its own row blocks (a second alignment): a tail in stage 1 only, then in stage 2 only
+SPLIT_S1_TAIL = replace(TAIL_STACKED, stage2=ALIGNED_NOSWAP.stage2, stage2_block_m=32)
+SPLIT_S2_TAIL = replace(ALIGNED_PAIRS, block_m=16, stage2_block_m=48)
+TAILS = {"pairs": TAIL_PAIRS, "stacked": TAIL_STACKED, "interleave": TAIL_INTERLEAVE, "worddots": TAIL_WORDDOTS,
+         "split-s1-tail": SPLIT_S1_TAIL, "split-s2-tail": SPLIT_S2_TAIL}
+
+
+def skewed_routing(gen, tokens=64):
+    """Routing over the 6 experts, 3 slots, that gives expert 0 60 rows (a full block and a second
+    with an empty tail), expert 1 40 and expert 2 46 (tails partly full), the others a few; tokens
+    and slots in random order."""
+    t = torch.arange(tokens)
+    ids = torch.stack([torch.where(t < 60, 0, 3), torch.where(t < 40, 1, 4), torch.where(t < 46, 2, 5)], 1)
+    ids = ids[torch.randperm(tokens, generator=gen)]
+    ids = torch.gather(ids, 1, torch.argsort(torch.rand(tokens, 3, generator=gen), 1))
+    weights = torch.rand(tokens, 3, generator=gen) + 0.05
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("order", sorted(TAILS))
+def test_tail_tile_rows_match_the_reference(fmt, order, problem):
+    """A 32 + 16 row block: rows of the tail tile are computed, activated and stored like the main
+    tile's (SiTUv2 and SiLU both to the reference, and different)."""
+    ex, conv, gen = problem
+    backend = get_backend("triton", weight_format=fmt, config=TAILS[order])
+    prepared = backend.prepare(ex if fmt == "mxfp4" else conv)
+    hidden = P.hidden(gen, 64)
+    weights, ids = skewed_routing(gen)
+    outs = {}
+    for act in (SITU, SILU):
+        outs[act.name] = run(backend, prepared, hidden, weights, ids, act)
+        err = relative_l2(outs[act.name], reference(backend, prepared, hidden, weights, ids, act))
+        assert err < TOL, f"{fmt} {order} {act}: relative L2 {err:.3g}"
+    assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
+
+
+@pytest.mark.parametrize("order", ["stacked", "split-s1-tail"])
+def test_tail_tile_under_an_expert_map(order, problem):
+    ex, _, gen = problem
+    backend = get_backend("triton", config=TAILS[order])
+    prepared = backend.prepare(ex.select([0, 1, 4]))
+    emap = torch.full((P.E,), -1, dtype=torch.int32)
+    emap[torch.tensor([0, 1, 4])] = torch.arange(3, dtype=torch.int32)
+    hidden = P.hidden(gen, 64)
+    weights, ids = skewed_routing(gen)
+    out = run(backend, prepared, hidden, weights, ids, SITU, emap)
+    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL

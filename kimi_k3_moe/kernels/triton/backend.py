@@ -9,6 +9,8 @@ in a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import importlib.util
 import logging
 import os
@@ -125,8 +127,7 @@ class TritonBackend(MoEBackend):
             found = _cached_lookup(dev_key, prepared.fmt, prepared.num_experts, prepared.hidden_size,
                                    prepared.intermediate_size, num_tokens, is_cuda, self.table)
         if self.decode is not None and self.decode != found.config.decode:
-            cfg = MoEConfig(found.config.path, found.config.block_m, found.config.stage1,
-                            found.config.stage2, self.decode).for_target(is_cuda)
+            cfg = replace(found.config, decode=self.decode).for_target(is_cuda)
             found = Lookup(cfg, found.source + f" decode={cfg.decode}")
         return found
 

@@ -25,8 +25,12 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
                                 out_block_k=s2_block_k)  # stage 2 reads inter in that word order
         return [permute, s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
                                           s2_cfg, config.decode, s2_block_k)]
-    pairs, align = align_launches(topk_ids, expert_map, experts.num_experts, config.block_m)
-    launches = list(align)
+    bm1, bm2 = config.block_ms
+    pairs, launches = align_launches(topk_ids, expert_map, experts.num_experts, bm1)
+    pairs2 = pairs
+    if bm2 != bm1:  # stage 2's own row blocks over the same pairs (inter is stored per pair)
+        pairs2, align2 = align_launches(topk_ids, expert_map, experts.num_experts, bm2)
+        launches += align2
     x = hidden
     if s1_cfg.pairs:
         x, permute = pair_order(hidden)
@@ -37,4 +41,4 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
     inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode,
                                out_block_k=0 if s2_cfg.pairs or s2_cfg.interleave else s2_cfg.block_k,
                                out_pairs=s2_cfg.pairs)
-    return [*launches, s1, *stage2_aligned(experts, inter, pairs, topk_weights, out, s2_cfg, config.decode)]
+    return [*launches, s1, *stage2_aligned(experts, inter, pairs2, topk_weights, out, s2_cfg, config.decode)]

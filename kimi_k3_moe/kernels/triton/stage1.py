@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec, UnsupportedActivationError
-from kimi_k3_moe.configs.triton_table import KernelConfig
+from kimi_k3_moe.configs.triton_table import KernelConfig, row_tiles
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
@@ -39,6 +39,12 @@ def activation_args(activation: ActivationSpec) -> dict:
             return dict(ACT=C.ACT_SITU_NO_LINEAR, beta=float(activation.beta), linear_beta=1.0)
         return dict(ACT=C.ACT_SITU, beta=float(activation.beta), linear_beta=float(activation.linear_beta))
     raise UnsupportedActivationError(f"the Triton backend has no kernel for activation {activation.name!r}")
+
+
+def row_tile_args(block_m: int) -> dict:
+    """The aligned kernels' row-block constexprs: BLOCK_M main rows and TAIL_M tail rows."""
+    main, tail = row_tiles(block_m)
+    return dict(BLOCK_M=main, TAIL_M=tail)
 
 
 def weight_args(experts: TritonExperts, which: str, decode: str) -> dict:
@@ -81,14 +87,14 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
     cfg.pairs nor cfg.interleave; inter
     comes out in pair order (out_pairs), else in word order of out_block_k tiles (0: plain)."""
     inter_size = experts.intermediate_size
-    inter = torch.empty(pairs.max_rows, inter_size, dtype=torch.bfloat16, device=hidden.device)
+    inter = torch.empty(pairs.num_pairs, inter_size, dtype=torch.bfloat16, device=hidden.device)  # per pair
     args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
                 inter_ptr=inter, stride_im=inter.stride(0),
                 sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
                 num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
                 TOPK=topk, SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
-                PAIRS=cfg.pairs, BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                PAIRS=cfg.pairs, **row_tile_args(pairs.block_m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs,
                 STACK_GATE_UP=cfg.stack_gate_up)
     grid = (pairs.max_blocks * cdiv(inter_size, cfg.block_n),)

@@ -10,7 +10,7 @@ from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_ke
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.kernels.triton.stage1 import weight_args
+from kimi_k3_moe.kernels.triton.stage1 import row_tile_args, weight_args
 
 REDUCE_BLOCK = 512
 
@@ -28,7 +28,7 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
         sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
         num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
         SWAP=cfg.swap, INTERLEAVE=cfg.interleave, PAIRS=cfg.pairs,
-        BLOCK_M=pairs.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles),
+        **row_tile_args(pairs.block_m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles),
         cfg.num_warps, cfg.num_stages, "stage2.aligned")
     return [matmul, topk_reduce(y, pairs, out, topk)]
 

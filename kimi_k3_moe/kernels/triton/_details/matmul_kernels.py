@@ -1,12 +1,21 @@
 """Tiled stage-1 / stage-2 matmuls over expert-aligned row blocks, and the
 deterministic top-k reduction.
 
+The intermediate is stored per (token, slot) pair, not per aligned row, so each stage can
+take its own row blocks (MoEConfig.stage2_block_m) and padding rows take no memory.
+
 Grids are max_blocks x N tiles, N tiles fastest; programs whose block lies past the real
 number of rows (known only on the device) exit at once, so a launch never
 needs the host to read a count and CUDA-graph capture works.
 
 SWAP computes W @ X^T instead of X @ W^T: with few tokens per block the weight
 tile is the larger operand and fills the MMA's M dimension.
+
+A row block is BLOCK_M + TAIL_M rows: a power-of-two main tile and, when TAIL_M > 0, a
+smaller power-of-two tail tile that takes a second dot on the same decoded weight tile.
+Tiles must be powers of two, but an expert's rows need not be: at 4096 tokens TP8 an expert
+holds ~73 rows, which a 64 + 32 block covers in one decode with 24 % padding where one
+128-row tile pads 43 % and two 64-row tiles decode its weights twice.
 """
 import triton
 import triton.language as tl
@@ -64,12 +73,13 @@ def _block_and_tile(n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_stacked(x_plain, row_ok, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr, w_base, s_base, pid_n,
-                     inter_size, hidden: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                     DECODE: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def _gate_up_stacked(x_plain, row_ok, xt_plain, row_ok_t, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr, w_base,
+                     s_base, pid_n, inter_size, hidden: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                     DECODE: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Stage 1's K loop on one [2 x BLOCK_N] tile (gate rows, then the up rows of the same columns):
-    one dot per K step on the pair order. Returns the gate and up sums, each [BLOCK_M, BLOCK_N]."""
+    one dot per K step on the pair order (a second on the tail rows). Returns the gate and up sums of
+    the main rows, each [BLOCK_M, BLOCK_N], and of the tail rows (the main ones again if TAIL_M is 0)."""
     r = tl.arange(0, 2 * BLOCK_N)
     n = pid_n * BLOCK_N + r % BLOCK_N
     w_row = (n + (r // BLOCK_N) * inter_size)[:, None].to(tl.int64)
@@ -77,14 +87,30 @@ def _gate_up_stacked(x_plain, row_ok, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr,
     rows = w_ptr + w_base + w_row * stride_wn
     so = s_base + w_row * stride_sn
     acc = acc_zeros(BLOCK_M, 2 * BLOCK_N, SWAP)
+    if TAIL_M > 0:
+        acc_t = acc_zeros(TAIL_M, 2 * BLOCK_N, SWAP)
     for k0 in range(0, hidden, BLOCK_K):
         x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
         v = load_weight_pairs(rows, s_ptr + so, o_ptr + so, k0, mask, FMT, HAS_OFFSETS, DECODE,
                               2 * BLOCK_N, BLOCK_K)
         acc = _dot1(acc, x, v, SWAP)
+        if TAIL_M > 0:
+            xt = cast_to(tl.load(xt_plain + k0, mask=row_ok_t[:, None], other=0.0), tl.bfloat16)
+            acc_t = _dot1(acc_t, xt, v, SWAP)
+    gate, up = _split_stacked(acc, SWAP, BLOCK_M, BLOCK_N)
+    if TAIL_M > 0:
+        gate_t, up_t = _split_stacked(acc_t, SWAP, TAIL_M, BLOCK_N)
+    else:
+        gate_t, up_t = gate, up
+    return gate, up, gate_t, up_t
+
+
+@triton.jit
+def _split_stacked(acc, SWAP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A stacked gate/up accumulator -> (gate, up), each [ROWS, BLOCK_N]."""
     if SWAP:
         acc = tl.trans(acc)
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, BLOCK_N)), (0, 2, 1)))
     return gate, up
 
 
@@ -158,28 +184,65 @@ def _dot_step(acc, xs, ws, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: 
 
 
 @triton.jit
-def _gate_up_pair(x_rows, x_words, x_plain, row_ok, ka, gate_rows, gate_s, gate_o, up_rows, up_s, up_o, mask_n,
-                  hidden: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
-                  SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Stage 1's K loop with separate gate and up tiles and accumulators, each returned [BLOCK_M, BLOCK_N]."""
+def _gate_up_pair(x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain, row_ok_t, ka, gate_rows, gate_s,
+                  gate_o, up_rows, up_s, up_o, mask_n, hidden: tl.constexpr, FMT: tl.constexpr,
+                  HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr,
+                  PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Stage 1's K loop with separate gate and up tiles and accumulators: the gate and up sums of the
+    main rows, each [BLOCK_M, BLOCK_N], and of the tail rows (the main ones again if TAIL_M is 0)."""
     acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
     acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    if TAIL_M > 0:
+        acc_gt = acc_zeros(TAIL_M, BLOCK_N, SWAP)
+        acc_ut = acc_zeros(TAIL_M, BLOCK_N, SWAP)
     for k0 in range(0, hidden, BLOCK_K):
         xs = _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
+        if TAIL_M > 0:
+            xts = _load_x_step(xt_rows, xt_words, xt_plain, row_ok_t, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
         gs = _load_w_step(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
                           BLOCK_N, BLOCK_K)
         if not (PAIRS or INTERLEAVE):  # eight word dots each: gate's are issued before up's tile is decoded
             acc_g = _dot_step(acc_g, xs, gs, SWAP, INTERLEAVE, PAIRS)
+            if TAIL_M > 0:
+                acc_gt = _dot_step(acc_gt, xts, gs, SWAP, INTERLEAVE, PAIRS)
         us = _load_w_step(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
                           BLOCK_N, BLOCK_K)
         if PAIRS or INTERLEAVE:
             acc_g = _dot_step(acc_g, xs, gs, SWAP, INTERLEAVE, PAIRS)
+            if TAIL_M > 0:
+                acc_gt = _dot_step(acc_gt, xts, gs, SWAP, INTERLEAVE, PAIRS)
         acc_u = _dot_step(acc_u, xs, us, SWAP, INTERLEAVE, PAIRS)
+        if TAIL_M > 0:
+            acc_ut = _dot_step(acc_ut, xts, us, SWAP, INTERLEAVE, PAIRS)
     if SWAP:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
-    return acc_g, acc_u
+    if TAIL_M > 0:
+        if SWAP:
+            acc_gt = tl.trans(acc_gt)
+            acc_ut = tl.trans(acc_ut)
+    else:
+        acc_gt, acc_ut = acc_g, acc_u
+    return acc_g, acc_u, acc_gt, acc_ut
+
+
+@triton.jit
+def _row_tile(sorted_ptr, start, num_pairs, ROWS: tl.constexpr):
+    """Rows start .. start + ROWS of the aligned order: (rows, their pairs, real-row mask)."""
+    rows = start + tl.arange(0, ROWS)
+    pair = tl.load(sorted_ptr + rows)
+    return rows, pair, pair < num_pairs
+
+
+@triton.jit
+def _store_inter(acc_g, acc_u, beta, linear_beta, ACT: tl.constexpr, inter_ptr, stride_im, pair, row_ok, offs_n,
+                 dest, inter_size):
+    """Stage 1's epilogue on one row tile: the activation of the full K sums, stored at each real
+    row's pair."""
+    h = apply_activation(acc_g, acc_u, beta, linear_beta, ACT)
+    out = inter_ptr + pair[:, None].to(tl.int64) * stride_im + dest[None, :]
+    tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < inter_size)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -194,10 +257,10 @@ def stage1_aligned_kernel(
     beta, linear_beta,
     TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
     DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BLOCK_K: tl.constexpr,
-    OUT_PAIRS: tl.constexpr, STACK_GATE_UP: tl.constexpr,
+    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_BLOCK_K: tl.constexpr, OUT_PAIRS: tl.constexpr, STACK_GATE_UP: tl.constexpr,
 ):
-    """inter[row, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
+    """inter[pair, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
 
     PAIRS: one dot per K step per accumulator, x (already in pair order) and the weights
     in pair order; else INTERLEAVE: x in plain order, weights regrouped in registers;
@@ -206,17 +269,20 @@ def stage1_aligned_kernel(
     plain when OUT_BLOCK_K is 0. Padded rows are not stored. STACK_GATE_UP (with PAIRS): one
     dot per K step on the stacked gate/up tile (_gate_up_stacked)."""
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+    start = pid_m * (BLOCK_M + TAIL_M)
+    if start >= tl.load(num_rows_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    row_ok = pair < num_pairs
-    tok = (pair // TOPK).to(tl.int64)
+    rows, pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+    x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
+    if TAIL_M > 0:
+        rows_t, pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
+        xt_rows = x_ptr + (pair_t // TOPK).to(tl.int64)[:, None] * stride_xm
+    else:
+        pair_t, row_ok_t, xt_rows = pair, row_ok, x_rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (offs_n < inter_size)[:, None]
     ka = word_k_offsets(BLOCK_K)
-    x_rows = x_ptr + tok[:, None] * stride_xm
     gate_rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + inter_size * stride_wn
     gate_so = e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
@@ -227,33 +293,40 @@ def stage1_aligned_kernel(
     up_o = o_ptr + up_so
     x_words = x_rows + tl.arange(0, BLOCK_K // 8)[None, :]
     x_plain = x_rows + tl.arange(0, BLOCK_K)[None, :]
+    xt_words = xt_rows + tl.arange(0, BLOCK_K // 8)[None, :]
+    xt_plain = xt_rows + tl.arange(0, BLOCK_K)[None, :]
     if STACK_GATE_UP:
         tl.static_assert(PAIRS, "STACK_GATE_UP reads the weights in pair order")
-        acc_g, acc_u = _gate_up_stacked(x_plain, row_ok, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr,
-                                        e * stride_we, e * stride_se, pid_n, inter_size, hidden, FMT,
-                                        HAS_OFFSETS, DECODE, SWAP, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc_g, acc_u, acc_gt, acc_ut = _gate_up_stacked(
+            x_plain, row_ok, xt_plain, row_ok_t, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr, e * stride_we,
+            e * stride_se, pid_n, inter_size, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, BLOCK_M, TAIL_M, BLOCK_N,
+            BLOCK_K)
     else:
-        acc_g, acc_u = _gate_up_pair(x_rows, x_words, x_plain, row_ok, ka, gate_rows, gate_s, gate_o, up_rows,
-                                     up_s, up_o, mask_n, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE,
-                                     PAIRS, BLOCK_M, BLOCK_N, BLOCK_K)
-    h = apply_activation(acc_g, acc_u, beta, linear_beta, ACT)
+        acc_g, acc_u, acc_gt, acc_ut = _gate_up_pair(
+            x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain, row_ok_t, ka, gate_rows, gate_s,
+            gate_o, up_rows, up_s, up_o, mask_n, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS,
+            BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
     if OUT_PAIRS:
         dest = pair_order(offs_n)
     elif OUT_BLOCK_K > 0:
         dest = word_position(offs_n, OUT_BLOCK_K)
     else:
         dest = offs_n
-    out = inter_ptr + rows[:, None].to(tl.int64) * stride_im + dest[None, :]
-    tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < inter_size)[None, :])
+    _store_inter(acc_g, acc_u, beta, linear_beta, ACT, inter_ptr, stride_im, pair, row_ok, offs_n, dest, inter_size)
+    if TAIL_M > 0:
+        _store_inter(acc_gt, acc_ut, beta, linear_beta, ACT, inter_ptr, stride_im, pair_t, row_ok_t, offs_n, dest,
+                     inter_size)
 
 
 @triton.jit
-def _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base,
-                 stride_sn: tl.constexpr, y_ptr, stride_ym, topk_w_ptr, n0, hidden, inter_size: tl.constexpr, xs,
-                 FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
-                 INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile of y starting at column n0: the K loop and the store."""
+def _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t, ka, w_ptr,
+                 w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn: tl.constexpr, y_ptr, stride_ym, topk_w_ptr, n0,
+                 hidden, inter_size: tl.constexpr, xs, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                 DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UNROLL_K: tl.constexpr):
+    """One tile of y starting at column n0 (BLOCK_M main rows, TAIL_M tail rows on the same decoded
+    weights): the K loop and the store."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = (offs_n < hidden)[:, None]
     w_rows = w_ptr + w_base + offs_n[:, None].to(tl.int64) * stride_wn
@@ -261,7 +334,10 @@ def _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stri
     s_rows = s_ptr + so
     o_rows = o_ptr + so
     acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+    if TAIL_M > 0:
+        acc_t = acc_zeros(TAIL_M, BLOCK_N, SWAP)
     if UNROLL_K:  # the caller's tile loop is the pipelined one: all of K in one iteration
+        tl.static_assert(TAIL_M == 0, "a tail tile needs N_TILES == 1")
         for i in tl.static_range(inter_size // BLOCK_K):
             if PAIRS:  # the activations were loaded once for all tiles (xs)
                 x = (xs[i],)
@@ -273,9 +349,21 @@ def _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stri
     else:
         for k0 in range(0, inter_size, BLOCK_K):
             x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
+            if TAIL_M > 0:
+                xt = _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
             w = _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
                              BLOCK_N, BLOCK_K)
             acc = _dot_step(acc, x, w, SWAP, INTERLEAVE, PAIRS)
+            if TAIL_M > 0:
+                acc_t = _dot_step(acc_t, xt, w, SWAP, INTERLEAVE, PAIRS)
+    _store_y(acc, pair, row_ok, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP)
+    if TAIL_M > 0:
+        _store_y(acc_t, pair_t, row_ok_t, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP)
+
+
+@triton.jit
+def _store_y(acc, pair, row_ok, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP: tl.constexpr):
+    """Stage 2's epilogue on one row tile: scaled by the router weight, stored per pair (real rows only)."""
     if SWAP:
         acc = tl.trans(acc)
     gate = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
@@ -296,9 +384,10 @@ def stage2_aligned_kernel(
     num_pairs, hidden, inter_size: tl.constexpr,
     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
     INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_TILES: tl.constexpr,
 ):
-    """y[pair, n] = router_weight[pair] * (inter[row] . W2_e[n]), stored per (token, slot) pair.
+    """y[pair, n] = router_weight[pair] * (inter[pair] . W2_e[n]), stored per (token, slot) pair.
 
     Each program takes N_TILES consecutive N tiles of one row block. With N_TILES > 1 a tile's
     K steps are unrolled and the tile loop is the pipelined one, so the next tiles' weights are in
@@ -307,32 +396,39 @@ def stage2_aligned_kernel(
     PAIRS: inter in pair order, one dot per K step. Padded rows (never stored by stage 1)
     are not loaded."""
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+    start = pid_m * (BLOCK_M + TAIL_M)
+    if start >= tl.load(num_rows_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
     ka = word_k_offsets(BLOCK_K)
-    a_rows = inter_ptr + rows[:, None].to(tl.int64) * stride_im
+    a_rows = inter_ptr + pair[:, None].to(tl.int64) * stride_im
+    if TAIL_M > 0:
+        rows_t, pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
+        at_rows = inter_ptr + pair_t[:, None].to(tl.int64) * stride_im
+    else:
+        pair_t, row_ok_t, at_rows = pair, row_ok, a_rows
     a_words = a_rows + tl.arange(0, BLOCK_K // 8)[None, :]
     a_plain = a_rows + tl.arange(0, BLOCK_K)[None, :]
+    at_words = at_rows + tl.arange(0, BLOCK_K // 8)[None, :]
+    at_plain = at_rows + tl.arange(0, BLOCK_K)[None, :]
     w_base = e * stride_we
     s_base = e * stride_se
     xs = ()
     if N_TILES == 1:
-        _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base,
-                     stride_sn, y_ptr, stride_ym, topk_w_ptr, pid_g * BLOCK_N, hidden, inter_size, xs, FMT,
-                     HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_M, BLOCK_N, BLOCK_K, False)
+        _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t, ka,
+                     w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym, topk_w_ptr,
+                     pid_g * BLOCK_N, hidden, inter_size, xs, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS,
+                     BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, False)
     else:
         if PAIRS:  # the block's activations, all of K, loaded once for its N tiles
             for k0 in tl.static_range(0, inter_size, BLOCK_K):
                 xs = xs + _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
         for t in range(0, N_TILES):
-            _stage2_tile(a_rows, a_words, a_plain, row_ok, ka, pair, w_ptr, w_base, stride_wn, s_ptr, o_ptr,
-                         s_base, stride_sn, y_ptr, stride_ym, topk_w_ptr, (pid_g * N_TILES + t) * BLOCK_N, hidden,
-                         inter_size, xs, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_M, BLOCK_N,
-                         BLOCK_K, True)
+            _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t,
+                         ka, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym,
+                         topk_w_ptr, (pid_g * N_TILES + t) * BLOCK_N, hidden, inter_size, xs, FMT, HAS_OFFSETS,
+                         DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, True)
 
 
 @triton.jit
