@@ -5,7 +5,7 @@ CUDA-graph replay with L2 flushed before it, median of --reps, with the copy ban
 this run; each candidate's output is compared with the baseline's (relative L2) and
 discarded above 1e-2.
 
-    python benchmarks/pair_variants.py [--tokens 16,64,...] [--formats mxfp4,int4] [--out F]
+    python benchmarks/pair_variants.py [--tokens 16,64,...] [--formats mxfp4,int4] [--out F] [--configs F]
 """
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ import sys
 from dataclasses import replace
 
 from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+from kimi_k3_moe.kernels.triton.tuning_space import TAIL_BLOCKS
 
 
 def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 384) -> dict[str, MoEConfig]:
-    """One-dot variants of an aligned config at `tokens` (gemv tiers get none), valid for the shape;
-    stage-2 K steps that do not divide I (TP16: 192) become 64 wide."""
+    """Variants of an aligned config at `tokens`, valid for the shape (a GEMV tier gets the TP8
+    table's aligned config at the same count); stage-2 K steps that do not divide I (TP16: 192)
+    become 64 wide."""
     out = {}
-    for name, cfg in _candidates(base).items():
+    for name, cfg in _candidates(base, tokens, hidden).items():
         if inter % cfg.stage2.block_k:
             cfg = replace(cfg, stage2=replace(cfg.stage2, block_k=64))
         try:
@@ -33,18 +35,17 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
     return out
 
 
-def _candidates(base: MoEConfig) -> dict[str, MoEConfig]:
+
+
+def _candidates(base: MoEConfig, tokens: int, hidden: int) -> dict[str, MoEConfig]:
     """The table's config with its stage 2 taking several N tiles per program
-    (`KernelConfig.n_tiles`: K unrolled, the tile loop pipelined); at 4096+ tokens (stage 2 not
-    swapped: the table's 4096+ entries) in pair order, the row block's activations held once as the
-    A operand (measured slower there, 2026-12-01; kept as data)."""
+    (`KernelConfig.n_tiles`: K unrolled, the tile loop pipelined); at 4096+ tokens stage 1 on row
+    blocks of a main and a tail tile (swapped: the tail is a second MMA on the same weights)."""
     if base.path != "aligned":
-        return {}
+        return _tp8_aligned(tokens, hidden) if tokens > 1 else {}
     s2 = base.stage2
-    if not s2.swap:  # 4096+: the not-swapped stage 2 keeps the row block's activations as its A operand
-        pairs = replace(s2, pairs=True, interleave=True, block_k=128, num_stages=2)
-        return {f"s2-pairs-n{bn}-tiles{n}-k128-s2": replace(base, stage2=replace(pairs, block_n=bn, n_tiles=n))
-                for bn, n in ((128, 2), (128, 4), (128, 7), (64, 4), (64, 8))}
+    if tokens >= 4096:
+        return _large_candidates(base, tokens)
     if base.block_m > 64:
         return {}
     out = {f"s2-tiles{n}-k{bk}-s{st}": replace(base, stage2=replace(s2, n_tiles=n, block_k=bk, num_stages=st))
@@ -55,6 +56,44 @@ def _candidates(base: MoEConfig) -> dict[str, MoEConfig]:
     out["s2-n128w8-tiles4-k128-s2"] = replace(base, stage2=replace(s2, block_n=128, num_warps=8, n_tiles=4, block_k=128,
                                                                    num_stages=2))
     return out
+
+
+# stage-1 tiles tried on tail blocks at 4096+ (block_n, block_k, num_warps, stacked): wider N tiles
+# read each row block's activations from L2 fewer times (6 N tiles of 64 stacked rows at TP8)
+LARGE_S1 = [(64, 128, 8, True), (128, 64, 16, True), (128, 128, 16, True), (128, 64, 8, True),
+            (128, 64, 16, False), (64, 64, 8, True)]
+
+
+def _large_candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
+    """4096+ tokens: stage 1 on tail blocks with the LARGE_S1 tiles and stage 2 as in the table on
+    its own blocks (`MoEConfig.stage2_block_m`); stage 2 256 wide (not swapped on the table's
+    blocks, swapped on the tail blocks); stage 2 swapped on the tail blocks."""
+    s2 = base.stage2
+    out = {}
+    wide_s2 = replace(s2, block_n=256, block_k=64, num_warps=8, swap=False, pairs=False, interleave=True)
+    wide_s2_swapped = replace(wide_s2, swap=True, num_warps=16)
+    for bm in TAIL_BLOCKS.get(tokens, ()):
+        for bn, bk, w, stacked in LARGE_S1:
+            s1 = replace(base.stage1, swap=True, pairs=True, stack_gate_up=stacked, block_n=bn, block_k=bk,
+                         num_warps=w, num_stages=3)
+            tile = f"s1n{bn}k{bk}w{w}{'' if stacked else 'pairs'}"
+            out[f"bm{bm}-{tile}-s2table-bm{base.block_m}"] = replace(base, block_m=bm, stage1=s1,
+                                                                     stage2_block_m=base.block_m)
+            if (bn, bk, w, stacked) == LARGE_S1[0] or (bn, bk, w, stacked) == LARGE_S1[1]:
+                out[f"bm{bm}-{tile}-s2n256w8-bm128"] = replace(base, block_m=bm, stage1=s1, stage2=wide_s2,
+                                                               stage2_block_m=128)
+                out[f"bm{bm}-{tile}-s2swap-n256w16"] = replace(base, block_m=bm, stage1=s1, stage2=wide_s2_swapped)
+                out[f"bm{bm}-{tile}-s2same"] = replace(base, block_m=bm, stage1=s1, stage2=replace(s2, swap=True))
+    out["table-s2n256w8-bm128"] = replace(base, stage2=wide_s2, stage2_block_m=128 if base.block_m != 128 else None)
+    return out
+
+
+def _tp8_aligned(tokens: int, hidden: int) -> dict[str, MoEConfig]:
+    """The TP8 MXFP4 table's config at `tokens` when it is an aligned one (TP16's GEMV tiers)."""
+    from kimi_k3_moe.configs import triton_table as tt
+    tp8 = tt.lookup("nvidia_h200", "mxfp4", 896, hidden, 384, tokens, is_cuda=True,
+                    table=tt.load_table("nvidia_h200") or {}).config
+    return {"tp8-table": tp8} if tp8.path == "aligned" else {}
 
 
 def ep_candidates(base: MoEConfig, tokens: int, hidden: int, inter: int) -> dict[str, MoEConfig]:
@@ -99,6 +138,7 @@ def main() -> int:
     ap.add_argument("--formats", default="mxfp4")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default="results/pair_variants.json")
+    ap.add_argument("--configs", help="JSON {tokens: {name: MoEConfig json}} timed instead of the generated candidates")
     args = ap.parse_args()
     situ = ActivationSpec.situv2(4.0, 25.0)
     from kimi_k3_moe.bench.data import expert_map_for
@@ -117,7 +157,13 @@ def main() -> int:
     for fmt in args.formats.split(","):
         be = get_backend("triton", weight_format=fmt)
         p = be.prepare(requantize_experts(experts, progress=False) if fmt == "int4" else experts)
-        plans = {t: {"table": be.lookup(p, t).config, **variants(be.lookup(p, t).config, t, h, i)} for t in tokens}
+        if args.configs:
+            given = json.load(open(args.configs))
+            plans = {t: {"table": be.lookup(p, t).config,
+                         **{n: MoEConfig.from_json(c).validate(h, i) for n, c in given.get(str(t), {}).items()}}
+                     for t in tokens}
+        else:
+            plans = {t: {"table": be.lookup(p, t).config, **variants(be.lookup(p, t).config, t, h, i)} for t in tokens}
         act = (situ.name, situ.beta, situ.linear_beta)
         precompile([Recipe(fmt, e, h, i, t, K3_TOPK, act, json.dumps(c.to_json(), sort_keys=True),
                            expert_map=emap is not None)

@@ -52,7 +52,8 @@ class TritonTarget:
             first = [self._cand(tier, base, f"{tag} base")]
             first += [self._cand(tier, c, f"{tag} s1 {c.stage1.block_n}x{c.stage1.block_k}") for c in s1]
             first += [self._cand(tier, c, f"{tag} s2 {c.stage2.block_n}x{c.stage2.block_k}"
-                                           + (f"x{c.stage2.n_tiles}t" if c.stage2.n_tiles > 1 else "")) for c in s2]
+                                           + (f"x{c.stage2.n_tiles}t" if c.stage2.n_tiles > 1 else "")
+                                           + (f"@bm{c.stage2_block_m}" if c.stage2_block_m else "")) for c in s2]
             if self.max_per_round:
                 first = first[:self.max_per_round]
             out += first
@@ -63,7 +64,8 @@ class TritonTarget:
                 return min(timed, key=lambda x: x[0])[1].config if timed else None
             b1, b2 = best(first, "s1"), best(first, "s2")
             if b1 is not None and b2 is not None:
-                out.append(self._cand(tier, replace(b1, stage2=b2.stage2), f"{tag} best s1 + best s2"))
+                out.append(self._cand(tier, replace(b1, stage2=b2.stage2, stage2_block_m=b2.stage2_block_m),
+                                      f"{tag} best s1 + best s2"))
         unique: dict[str, Candidate] = {}
         for c in out:  # the first label wins: the packaged config stays "packaged" when a variant equals it
             unique.setdefault(c.key, c)

@@ -103,5 +103,37 @@ def test_config_json_roundtrip_and_validation():
     with pytest.raises(ValueError, match="stage2.n_tiles = 0 must be >= 1"):
         MoEConfig(stage2=KernelConfig(n_tiles=0)).validate(3584, 384)
     MoEConfig(stage2=KernelConfig(n_tiles=14)).validate(3584, 384)
+    assert tt.row_tiles(96) == (64, 32) and tt.row_tiles(160) == (128, 32) and tt.row_tiles(64) == (64, 0)
+    MoEConfig(block_m=96).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage2_block_m 96 .* needs that stage's swap"):
+        MoEConfig(block_m=96, stage2=KernelConfig(swap=False)).validate(3584, 384)
+    with pytest.raises(ValueError, match="^block_m 96 .* needs that stage's swap"):
+        MoEConfig(block_m=96, stage1=KernelConfig(swap=False), stage2_block_m=128).validate(3584, 384)
+    MoEConfig(block_m=96, stage2=KernelConfig(swap=False), stage2_block_m=128).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage2_block_m 160 .* needs stage2.n_tiles 1"):
+        MoEConfig(block_m=160, stage2=KernelConfig(n_tiles=4)).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage2_block_m 80"):
+        MoEConfig(stage2_block_m=80).validate(3584, 384)
+    split = MoEConfig(block_m=96, stage2_block_m=128)
+    assert MoEConfig.from_json(json.loads(json.dumps(split.to_json()))) == split
+    assert "stage2_block_m" not in MoEConfig().to_json()
+    with pytest.raises(ValueError, match="block_m"):
+        MoEConfig(block_m=80).validate(3584, 384)
     assert tt.device_key("NVIDIA H200") == "nvidia_h200"
     assert tt.device_key("AMD Instinct MI300X") == "amd_instinct_mi300x"
+
+
+def test_tuning_space_tries_tail_blocks_and_split_stage2_at_4096_plus():
+    """At 4096+ tokens the tuner's space holds stage 1 on tail blocks (swapped) with stage 2 on its
+    own 128-row blocks and on the tail blocks; below 4096 it holds no tail block."""
+    from kimi_k3_moe.kernels.triton import tuning_space as ts
+    for tier, tails in ts.TAIL_BLOCKS.items():
+        space = ts.candidates(tier, 3584, 384)
+        for bm in tails:
+            s1, s2, base = space[("aligned", bm)]
+            assert base.block_m == bm and all(c.stage1.swap for c in s1)
+            assert {c.stage2_block_m for c in s2} == {None, ts.SPLIT_STAGE2_BLOCK_M}
+            for c in s1 + s2:
+                c.validate(3584, 384)
+    assert all(tt.row_tiles(bm)[1] == 0 for tier in (16, 256, 1024)
+               for path, bm in ts.candidates(tier, 3584, 384) if path == "aligned")

@@ -28,12 +28,15 @@ GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
 PAIRS = "pairs"
 STACKED = "stacked"  # pairs, gate and up rows in one tile (H200 winners at 16-64 tokens MXFP4, 4096+ int4)
 ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (32, 128, 4, 3, STACKED), (64, 128, 8, 3, STACKED), (64, 256, 4, 3, PAIRS),
+              # the H200's winners at 4096+ on tail blocks (2026-12-02): MXFP4 the first, int4 the second
+              (64, 64, 8, 3, STACKED), (64, 64, 4, 3, STACKED),
               (64, 256, 4, 3, False), (128, 64, 8, 4, True), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
               (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
               # two stages: less shared memory per CTA, so more CTAs per SM on the latency-bound sizes
               (64, 256, 4, 2, False), (64, 128, 4, 2, False), (128, 128, 8, 2, False)]
-ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS),
-              (128, 64, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
+ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS), (128, 64, 8, 3, True),
+              (256, 128, 8, 3, True), (256, 64, 8, 3, True),  # 4096+ on 128-row blocks, not swapped
+              (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
               (128, 128, 8, 3, True), (128, 128, 4, 4, False), (64, 128, 4, 3, False)]
 # stage 2 with several N tiles per program (KernelConfig.n_tiles; the H200's winners at 4-1024 tokens,
 # 2026-12-01), tried up to TILES_MAX_TOKENS: above, the 128-row blocks measured slower with it
@@ -45,6 +48,13 @@ TILES_MAX_TOKENS = 1024
 TILES_X_BYTES_PER_THREAD = 192
 REGISTER_MARGIN = 250  # configs using more are treated as spilling (see tune_entry)
 QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
+
+
+# row blocks of a main and a tail tile (MoEConfig.block_m, triton_table.row_tiles) for stage 1 at
+# these tiers, where a TP8 or EP16 expert holds ~73 (4096) or ~292 (16384) rows; stage 2 is tried
+# on them (swapped) and on blocks of SPLIT_STAGE2_BLOCK_M rows of its own (MoEConfig.stage2_block_m)
+TAIL_BLOCKS = {4096: (96,), 16384: (160, 192)}
+SPLIT_STAGE2_BLOCK_M = 128
 
 
 def block_ms(tier: int) -> list[int]:
@@ -107,4 +117,20 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
         s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
         if s1 and s2:
             out[("aligned", bm)] = (s1, s2, base if valid(base, hidden, inter) else s1[0])
+    for bm in TAIL_BLOCKS.get(tier, ()):
+        out.update(_tail_candidates(base_h, bm, hidden, inter, n))
     return out
+
+
+def _tail_candidates(base_h: MoEConfig, bm: int, hidden: int, inter: int, n: int | None) -> dict:
+    """Stage 1 on tail blocks of bm rows (swapped: the tail is a second MMA on the same weights);
+    stage 2 on its own 128-row blocks (either orientation) or, swapped, on the same blocks."""
+    base = replace(base_h, block_m=bm, stage1=replace(base_h.stage1, swap=True),
+                   stage2=replace(base_h.stage2, swap=False), stage2_block_m=SPLIT_STAGE2_BLOCK_M)
+    s1 = [replace(base, stage1=kc(c)) for c in ALIGNED_S1[:n]]
+    s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2[:n], (True, False))]
+    s2 += [replace(base, stage2=kc(c), stage2_block_m=None) for c in ALIGNED_S2[:n]]
+    s2 = [c if inter % c.stage2.block_k == 0 else replace(c, stage2=replace(c.stage2, block_k=64)) for c in s2]
+    s1 = [c for c in s1 if valid(c, hidden, inter)]
+    s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
+    return {("aligned", bm): (s1, s2, base if valid(base, hidden, inter) else s1[0])} if s1 and s2 else {}
