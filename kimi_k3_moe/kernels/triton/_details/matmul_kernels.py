@@ -229,10 +229,9 @@ def _gate_up_pair(x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain,
 
 @triton.jit
 def _row_tile(sorted_ptr, start, num_pairs, ROWS: tl.constexpr):
-    """Rows start .. start + ROWS of the aligned order: (rows, their pairs, real-row mask)."""
-    rows = start + tl.arange(0, ROWS)
-    pair = tl.load(sorted_ptr + rows)
-    return rows, pair, pair < num_pairs
+    """Rows start .. start + ROWS of the aligned order: (their pairs, real-row mask)."""
+    pair = tl.load(sorted_ptr + (start + tl.arange(0, ROWS)))
+    return pair, pair < num_pairs
 
 
 @triton.jit
@@ -273,10 +272,10 @@ def stage1_aligned_kernel(
     if start >= tl.load(num_rows_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows, pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+    pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
     x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
     if TAIL_M > 0:
-        rows_t, pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
+        pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
         xt_rows = x_ptr + (pair_t // TOPK).to(tl.int64)[:, None] * stride_xm
     else:
         pair_t, row_ok_t, xt_rows = pair, row_ok, x_rows
@@ -400,11 +399,11 @@ def stage2_aligned_kernel(
     if start >= tl.load(num_rows_ptr):
         return
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    rows, pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+    pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
     ka = word_k_offsets(BLOCK_K)
     a_rows = inter_ptr + pair[:, None].to(tl.int64) * stride_im
     if TAIL_M > 0:
-        rows_t, pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
+        pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
         at_rows = inter_ptr + pair_t[:, None].to(tl.int64) * stride_im
     else:
         pair_t, row_ok_t, at_rows = pair, row_ok, a_rows
