@@ -77,13 +77,15 @@ def _large_candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
             s1 = replace(base.stage1, swap=True, pairs=True, stack_gate_up=stacked, block_n=bn, block_k=bk,
                          num_warps=w, num_stages=3)
             tile = f"s1n{bn}k{bk}w{w}{'' if stacked else 'pairs'}"
-            out[f"bm{bm}-{tile}-s2table-bm{base.block_m}"] = replace(base, block_m=bm, stage1=s1,
-                                                                     stage2_block_m=base.block_m)
+            out[f"bm{bm}-{tile}-s2table-bm{base.block_ms[1]}"] = replace(base, block_m=bm, stage1=s1,
+                                                                     stage2_block_m=base.block_ms[1])
             if (bn, bk, w, stacked) == LARGE_S1[0] or (bn, bk, w, stacked) == LARGE_S1[1]:
                 out[f"bm{bm}-{tile}-s2n256w8-bm128"] = replace(base, block_m=bm, stage1=s1, stage2=wide_s2,
                                                                stage2_block_m=128)
-                out[f"bm{bm}-{tile}-s2swap-n256w16"] = replace(base, block_m=bm, stage1=s1, stage2=wide_s2_swapped)
-                out[f"bm{bm}-{tile}-s2same"] = replace(base, block_m=bm, stage1=s1, stage2=replace(s2, swap=True))
+                out[f"bm{bm}-{tile}-s2swap-n256w16"] = replace(base, block_m=bm, stage1=s1, stage2=wide_s2_swapped,
+                                                                stage2_block_m=None)
+                out[f"bm{bm}-{tile}-s2same"] = replace(base, block_m=bm, stage1=s1, stage2=replace(s2, swap=True),
+                                                        stage2_block_m=None)
     out["table-s2n256w8-bm128"] = replace(base, stage2=wide_s2, stage2_block_m=128 if base.block_m != 128 else None)
     return out
 

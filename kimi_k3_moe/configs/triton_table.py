@@ -123,7 +123,7 @@ class MoEConfig:
                 if not stage.swap:
                     raise ValueError(f"{name} {bm} (a main and a tail tile) needs that stage's swap")
                 if stage.n_tiles != 1:
-                    raise ValueError(f"{name} {bm} (a main and a tail tile) needs stage2.n_tiles 1")
+                    raise ValueError(f"{name} {bm} (a main and a tail tile) needs n_tiles 1 in that stage")
 
     def to_json(self) -> dict:
         d = asdict(self)

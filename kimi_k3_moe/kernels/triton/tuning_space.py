@@ -88,7 +88,7 @@ def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
     except ValueError:
         return False
     s2 = cfg.stage2
-    held = cfg.block_m * inter * 2 / (32 * s2.num_warps)
+    held = cfg.block_ms[1] * inter * 2 / (32 * s2.num_warps)
     return not (cfg.path == "aligned" and s2.pairs and s2.n_tiles > 1 and held > TILES_X_BYTES_PER_THREAD)
 
 
