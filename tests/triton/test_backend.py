@@ -69,6 +69,16 @@ def reference(backend, prepared, hidden, weights, ids, act, emap=None):
 run = P.run
 
 
+def assert_follows_the_activation(backend, prepared, hidden, weights, ids, what):
+    """SiTUv2 and SiLU each match the reference within TOL, and the two results differ."""
+    outs = {}
+    for act in (SITU, SILU):
+        outs[act.name] = run(backend, prepared, hidden, weights, ids, act)
+        err = relative_l2(outs[act.name], reference(backend, prepared, hidden, weights, ids, act))
+        assert err < TOL, f"{what} {act}: relative L2 {err:.3g}"
+    assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
+
+
 @pytest.fixture(scope="module")
 def problem(module_gen):
     gen = module_gen
@@ -85,12 +95,7 @@ def test_matches_reference_and_honours_the_activation(fmt, path, problem):
     prepared = backend.prepare(ex if fmt == "mxfp4" else conv)
     hidden = P.hidden(gen, 4)
     weights, ids = P.routing(gen, 4)
-    outs = {}
-    for act in (SITU, SILU):
-        outs[act.name] = run(backend, prepared, hidden, weights, ids, act)
-        err = relative_l2(outs[act.name], reference(backend, prepared, hidden, weights, ids, act))
-        assert err < TOL, f"{fmt} {path} {act}: relative L2 {err:.3g}"
-    assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
+    assert_follows_the_activation(backend, prepared, hidden, weights, ids, f"{fmt} {path}")
 
 
 @pytest.mark.parametrize("n_tiles", [1, 3])
@@ -286,12 +291,7 @@ def test_tail_tile_rows_match_the_reference(fmt, order, problem):
     prepared = backend.prepare(ex if fmt == "mxfp4" else conv)
     hidden = P.hidden(gen, 64)
     weights, ids = skewed_routing(gen)
-    outs = {}
-    for act in (SITU, SILU):
-        outs[act.name] = run(backend, prepared, hidden, weights, ids, act)
-        err = relative_l2(outs[act.name], reference(backend, prepared, hidden, weights, ids, act))
-        assert err < TOL, f"{fmt} {order} {act}: relative L2 {err:.3g}"
-    assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
+    assert_follows_the_activation(backend, prepared, hidden, weights, ids, f"{fmt} {order}")
 
 
 @pytest.mark.parametrize("order", ["stacked", "split-s1-tail"])
