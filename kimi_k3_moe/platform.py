@@ -23,6 +23,7 @@ FLYDSL_ARCHS = ("gfx942", "gfx950")   # archs with FlyDSL kernels
 INT4_ARCHS = ("gfx942",)              # no FP4 matrix instructions: experts requantised to int4
 TRITON_MIN_SM = 80
 FP8_MIN_SM = 89                       # e4m3 x e4m3 MMA (sm_89, sm_90 and newer)
+PDL_MIN_SM = 90                       # programmatic dependent launch (griddepcontrol)
 _SCALED_MFMA_ARCHS = ("gfx950",)      # v_mfma_scale_f32_*_f8f6f4: fp8/fp4 operands with e8m0 scales
 
 

@@ -21,11 +21,12 @@ from pathlib import Path
 
 from kimi_k3_moe.configs import user_tables
 
-PATHS = ("gemv", "aligned")
+PATHS = ("gemv", "aligned", "direct")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
 # row blocks: a power of two, or a power-of-two main tile plus a smaller power-of-two tail tile
 # (row_tiles); the kernels take both tiles on one decoded weight tile
 BLOCK_MS = (16, 32, 48, 64, 96, 128, 160, 192, 256)
+DIRECT_BLOCK_M = 16
 TABLE_PACKAGE = "kimi_k3_moe.configs"
 TABLE_DIR = "tables"
 
@@ -83,6 +84,9 @@ class MoEConfig:
     `block_m` rows; both stages are tiled matmuls over those blocks. Stage 2
     takes blocks of its own when `stage2_block_m` is set (a second alignment:
     four more small launches).
+    path "direct": the aligned path's matmuls with every pair a block of its
+    own (block_m 16: one row and padding), so nothing is launched to group the
+    pairs; for a few tokens, whose pairs nearly all have an expert to themselves.
     """
 
     path: str = "aligned"
@@ -91,6 +95,15 @@ class MoEConfig:
     stage2: KernelConfig = field(default_factory=KernelConfig)
     decode: str = "bits"
     stage2_block_m: int | None = None
+    # every launch after the first is a programmatic dependent of the one before it (griddepcontrol,
+    # NVIDIA sm_90+): its programs start while that one drains and wait for its output there (the
+    # GEMV stages request their first weights before waiting). A small batch's launches are short,
+    # so each drain and start-up was a visible part of the whole
+    pdl: bool = False
+
+    def __post_init__(self):
+        if self.stage2_block_m == self.block_m:  # one config, one JSON form: "its own blocks" = the same blocks
+            object.__setattr__(self, "stage2_block_m", None)
 
     @property
     def block_ms(self) -> tuple[int, int]:
@@ -104,7 +117,12 @@ class MoEConfig:
             raise ValueError(f"decode {self.decode!r} not in {DECODES}")
         if self.path == "aligned":
             self._validate_row_blocks()
-        min_n = 16 if self.path == "aligned" else 2  # tl.dot needs 16; the FMA path does not
+        elif self.stage2_block_m is not None:
+            raise ValueError(f"stage2_block_m: the {self.path} path has no row blocks of its own")
+        if self.path == "direct" and self.block_m != DIRECT_BLOCK_M:
+            raise ValueError(f"block_m {self.block_m}: the direct path's blocks are one pair in "
+                             f"{DIRECT_BLOCK_M} rows (the MMA's least)")
+        min_n = 2 if self.path == "gemv" else 16  # tl.dot needs 16; the FMA path does not
         self.stage1.validate(hidden, "stage1", min_n)
         self.stage2.validate(inter, "stage2", min_n)
         if self.stage2.stack_gate_up:
@@ -129,6 +147,8 @@ class MoEConfig:
         d = asdict(self)
         if self.stage2_block_m is None:
             del d["stage2_block_m"]
+        if not self.pdl:
+            del d["pdl"]
         return d
 
     @classmethod
@@ -136,11 +156,13 @@ class MoEConfig:
         s2_bm = d.get("stage2_block_m")
         return cls(path=d["path"], block_m=int(d.get("block_m", 16)), decode=d.get("decode", "bits"),
                    stage1=KernelConfig(**d["stage1"]), stage2=KernelConfig(**d["stage2"]),
-                   stage2_block_m=None if s2_bm is None else int(s2_bm))
+                   stage2_block_m=None if s2_bm is None else int(s2_bm), pdl=bool(d.get("pdl", False)))
 
-    def for_target(self, is_cuda: bool) -> "MoEConfig":
-        """The PTX decode exists on NVIDIA only; elsewhere the portable decode."""
-        return self if is_cuda or self.decode == "bits" else replace(self, decode="bits")
+    def for_target(self, is_cuda: bool, has_pdl: bool = True) -> "MoEConfig":
+        """The PTX decode exists on NVIDIA only; elsewhere the portable decode. Programmatic
+        dependent launch needs NVIDIA sm_90+ (`has_pdl`, the backend knows the arch)."""
+        cfg = self if is_cuda or self.decode == "bits" else replace(self, decode="bits")
+        return cfg if cfg.pdl is False or (is_cuda and has_pdl) else replace(cfg, pdl=False)
 
 
 @dataclass(frozen=True)

@@ -89,8 +89,7 @@ class TritonTarget:
             if dev.type != "cuda":
                 return True, "planned (interpreter: no compiler to ask about registers)"
             for launch in launches:
-                k = launch.kernel[launch.grid](**launch.args, num_warps=launch.num_warps,
-                                               num_stages=launch.num_stages)
+                k = launch.kernel[launch.grid](**launch.args, **launch.options())
                 spills, regs = int(getattr(k, "n_spills", 0) or 0), int(getattr(k, "n_regs", 0) or 0)
                 # the packaged config runs today whatever its registers: it is always the bar to beat
                 if (spills or regs >= REGISTER_MARGIN) and not is_packaged(cand.label):

@@ -205,3 +205,18 @@ def test_activation_and_betas_cannot_share_a_binary():
         assert (a.args["beta"], a.args["linear_beta"]) == (4.0, 25.0)
         assert (b.args["beta"], b.args["linear_beta"]) == (2.0, 1.5)
         assert _signature(a) == _signature(b)  # same binary, betas passed at launch
+
+
+def test_pdl_kernels_wait_for_their_predecessor_on_sm90_only():
+    """A pdl config's kernels carry griddepcontrol (let the next launch start, wait for the one
+    before) for sm_90; for AMD the config loses pdl before planning (for_target), so none is built."""
+    from kimi_k3_moe.kernels.triton.aot import compile_launch
+    cfg = tt.MoEConfig("direct", 16, tt.KernelConfig(32, 256, pairs=True, stack_gate_up=True),
+                       tt.KernelConfig(64, 128, pairs=True, n_tiles=2), "ptx", pdl=True)
+    for target in ("sm_90", "gfx942"):
+        launches = _specs(target, "mxfp4", 896, 3584, 384, cfg)
+        assert [l.pdl for l in launches] == ([False] + [True] * 3 if target == "sm_90" else [False] * 4)
+        s1 = next(l for l in launches if l.label == "stage1.aligned")
+        _, kernel = compile_launch(s1, target)
+        code = kernel.asm["ptx" if target == "sm_90" else "amdgcn"]
+        assert ("griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" in code) == (target == "sm_90")

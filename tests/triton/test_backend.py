@@ -47,7 +47,13 @@ ALIGNED_NOSWAP_S2_TILES = replace(ALIGNED_NOSWAP, stage2=replace(ALIGNED_NOSWAP.
                                                                   n_tiles=3))
 ALIGNED_PAIRS_NOSWAP_S2_TILES = replace(ALIGNED_PAIRS_NOSWAP, stage2=replace(ALIGNED_PAIRS_NOSWAP.stage2, block_n=32,
                                                                               n_tiles=3))
-PATHS = {"gemv": GEMV, "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS,
+# every pair a block of its own (no alignment launches), stacked gate/up and N tiles as on the H200;
+# pdl=True is turned off off NVIDIA sm_90+ (here: the interpreter)
+DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, pairs=True, stack_gate_up=True),
+                   KernelConfig(32, 32, 4, 2, pairs=True, n_tiles=2), "bits", pdl=True)
+DIRECT_INTERLEAVE = replace(ALIGNED, path="direct")
+PATHS = {"gemv": GEMV, "direct": DIRECT, "direct-interleave": DIRECT_INTERLEAVE,
+         "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS,
          "aligned-pairs": ALIGNED_PAIRS, "aligned-pairs-noswap": ALIGNED_PAIRS_NOSWAP,
          "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS,
          "aligned-stacked": ALIGNED_STACKED, "aligned-stacked-noswap": ALIGNED_STACKED_NOSWAP,
@@ -129,7 +135,8 @@ def test_betas_are_honoured(problem):
     assert relative_l2(outs[0], outs[2].float()) > 1e-3
 
 
-@pytest.mark.parametrize("path", ["gemv", "aligned", "aligned-pairs", "aligned-stacked", "aligned-s2-tiles"])
+@pytest.mark.parametrize("path", ["gemv", "direct", "aligned", "aligned-pairs", "aligned-stacked",
+                                  "aligned-s2-tiles"])
 def test_expert_map_skips_experts_of_other_ranks(path, problem):
     ex, _, gen = problem
     backend = get_backend("triton", config=PATHS[path])

@@ -90,7 +90,32 @@ def test_pair_order_copy_of_the_activations(rows, k, gen):
     from kimi_k3_moe.kernels.triton.stage1 import pair_order as pair_order_copy
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
     out, launch = pair_order_copy(x)
-    launch.kernel[launch.grid](**launch.args, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    launch()
     c = torch.arange(k)
     src = 32 * (c // 32) + 8 * ((c >> 1) & 3) + 2 * ((c >> 3) & 3) + (c & 1)
     assert torch.equal(out, x[:, src])
+
+
+def test_pdl_chains_every_launch_after_the_first():
+    """With MoEConfig.pdl every kernel of a forward gets PDL (it waits before reading what the launch
+    before it wrote) and every launch but the first is started as a programmatic dependent; without
+    it nothing changes. Planned on meta tensors (the interpreter cannot run griddepcontrol)."""
+    from dataclasses import replace
+
+    from kimi_k3_moe.activation import ActivationSpec
+    from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+    from kimi_k3_moe.kernels.triton import aot
+    act = ActivationSpec.situv2(4.0, 25.0)
+    ex = aot.meta_experts("mxfp4", 8, 256, 64)
+    direct = MoEConfig("direct", 16, KernelConfig(32, 64, pairs=True), KernelConfig(64, 64, pairs=True), "ptx")
+    for cfg in (direct, replace(direct, path="aligned"), MoEConfig("gemv", 16, KernelConfig(16, 128),
+                                                                      KernelConfig(8, 64), "ptx")):
+        plain = aot.plan_for_shape(ex, 3, 4, act, cfg)
+        chained = aot.plan_for_shape(ex, 3, 4, act, replace(cfg, pdl=True))
+        assert [lc.label for lc in plain] == [lc.label for lc in chained]
+        assert not any(lc.pdl or lc.args["PDL"] or "launch_pdl" in lc.options() for lc in plain)
+        assert all(lc.args["PDL"] for lc in chained)
+        assert [lc.pdl for lc in chained] == [False] + [True] * (len(chained) - 1)
+        assert all(lc.options()["launch_pdl"] for lc in chained[1:])
+    assert [lc.label for lc in aot.plan_for_shape(ex, 3, 4, act, direct)] == [
+        "stage1.pair_order", "stage1.aligned", "stage2.aligned", "stage2.reduce"]  # no alignment launches

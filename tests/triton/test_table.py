@@ -119,7 +119,31 @@ def test_config_json_roundtrip_and_validation():
     assert "stage2_block_m" not in MoEConfig().to_json()
     with pytest.raises(ValueError, match="block_m"):
         MoEConfig(block_m=80).validate(3584, 384)
+    assert MoEConfig(block_m=96, stage2_block_m=96) == MoEConfig(block_m=96)  # one config, one JSON form
+    with pytest.raises(ValueError, match="stage2_block_m: the gemv path has no row blocks"):
+        MoEConfig("gemv", stage2_block_m=128).validate(3584, 384)
     assert tt.device_key("NVIDIA H200") == "nvidia_h200"
+
+
+def test_small_batch_options_are_validated_and_round_trip():
+    """The direct path (one pair per 16-row block) and pdl (every path; kept on CUDA targets with
+    programmatic dependent launch only) survive JSON and are refused where meaningless."""
+    gemv = MoEConfig("gemv", 16, KernelConfig(16, 512), KernelConfig(8, 128), "ptx", pdl=True)
+    direct = MoEConfig("direct", 16, KernelConfig(32, 256, pairs=True, stack_gate_up=True),
+                       KernelConfig(64, 128, pairs=True, n_tiles=2), "ptx", pdl=True)
+    for cfg in (gemv, direct):
+        cfg.validate(3584, 384)
+        assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+        assert cfg.for_target(True) == cfg
+        assert not cfg.for_target(True, has_pdl=False).pdl and not cfg.for_target(False).pdl
+        assert cfg.for_target(False).decode == "bits"
+    assert "pdl" not in MoEConfig().to_json() and not MoEConfig.from_json(MoEConfig().to_json()).pdl
+    with pytest.raises(ValueError, match="block_m 32: the direct path's blocks are one pair in 16 rows"):
+        MoEConfig("direct", 32).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage2_block_m: the direct path"):
+        MoEConfig("direct", 16, stage2_block_m=32).validate(3584, 384)
+    with pytest.raises(ValueError, match="block_n = 8 must be >= 16"):
+        MoEConfig("direct", stage1=KernelConfig(block_n=8)).validate(3584, 384)
     assert tt.device_key("AMD Instinct MI300X") == "amd_instinct_mi300x"
 
 

@@ -24,6 +24,10 @@ class AlignedPairs:
     block_expert: torch.Tensor  # int32 [max_blocks]: expert of each block (valid below num_rows)
     num_rows: torch.Tensor      # int32 [1]: rows in use (a multiple of block_m)
     offsets: torch.Tensor       # int32 [E]: first row of each expert
+    # path "direct" (direct_pairs): block b is pair b alone; block_expert and local are topk_ids as
+    # given, the kernels apply expert_map themselves; sorted_pairs, num_rows and offsets are unused
+    direct: bool = False
+    expert_map: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -33,6 +37,16 @@ class AlignedPairs:
 def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
     # sum over experts of ceil(c_e / block_m) <= num_pairs / block_m + (experts in use)
     return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def direct_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, block_m: int) -> AlignedPairs:
+    """Path "direct": every (token, slot) pair is a block of its own (its one row first, block_m - 1
+    padding rows), so nothing is launched to group them. With a few tokens nearly every pair has an
+    expert to itself, and grouping cost more launches than it saved."""
+    ids = topk_ids.reshape(-1)
+    return AlignedPairs(block_m=block_m, num_pairs=ids.numel(), max_blocks=ids.numel(), local=ids,
+                        sorted_pairs=ids, block_expert=ids, num_rows=ids, offsets=ids, direct=True,
+                        expert_map=expert_map)
 
 
 def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
@@ -53,21 +67,21 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
     )
     grid = (max(1, cdiv(num_pairs, BLOCK)),)
     launches = [
-        Launch(K.align_zero_kernel, (cdiv(scratch.numel(), 1024),), dict(ptr=scratch, n=scratch.numel(), BLOCK=1024),
+        Launch(K.align_zero_kernel, (cdiv(scratch.numel(), 1024),), dict(ptr=scratch, n=scratch.numel(), BLOCK=1024, PDL=False),
                num_warps=4, num_stages=1, label="align.zero"),
         Launch(K.align_count_kernel, grid, dict(
             ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=pairs.local,
             counts_ptr=counts, sorted_ptr=pairs.sorted_pairs, num_pairs=num_pairs,
-            max_rows=pairs.max_rows, HAS_MAP=expert_map is not None, BLOCK=BLOCK),
+            max_rows=pairs.max_rows, HAS_MAP=expert_map is not None, BLOCK=BLOCK, PDL=False),
             num_warps=4, num_stages=1, label="align.count"),
         Launch(K.align_offsets_kernel, (1,), dict(
             counts_ptr=counts, offsets_ptr=pairs.offsets, num_rows_ptr=pairs.num_rows,
-            num_experts=num_experts, BLOCK_M=block_m, E_POW2=max(16, next_pow2(num_experts))),
+            num_experts=num_experts, BLOCK_M=block_m, E_POW2=max(16, next_pow2(num_experts)), PDL=False),
             num_warps=4, num_stages=1, label="align.offsets"),
         Launch(K.align_scatter_kernel, grid, dict(
             local_ptr=pairs.local, offsets_ptr=pairs.offsets, fill_ptr=fill,
             sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
-            num_pairs=num_pairs, BLOCK_M=block_m, BLOCK=BLOCK),
+            num_pairs=num_pairs, BLOCK_M=block_m, BLOCK=BLOCK, PDL=False),
             num_warps=4, num_stages=1, label="align.scatter"),
     ]
     return pairs, launches

@@ -144,7 +144,7 @@ def compile_launch(launch: Launch, target: str) -> tuple[CompileReport, object]:
     src = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     start = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget(*TARGETS[target]),
-                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+                              options=launch.options())
     seconds = time.perf_counter() - start
     md = compiled.metadata
     shown = ",".join(f"{k}={v}" for k, v in constexprs.items())

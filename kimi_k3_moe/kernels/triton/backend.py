@@ -27,7 +27,7 @@ from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.platform import TRITON_MIN_SM, detect_platform, for_arch, is_rocm
+from kimi_k3_moe.platform import PDL_MIN_SM, TRITON_MIN_SM, detect_platform, for_arch, is_rocm, sm_version
 from kimi_k3_moe.reference import check_routing
 
 ENV_INTERPRET = "TRITON_INTERPRET"
@@ -121,15 +121,15 @@ class TritonBackend(MoEBackend):
     # -- configs --------------------------------------------------------
     def lookup(self, prepared, num_tokens: int) -> Lookup:
         dev_key, is_cuda = self._target(prepared.device)
+        has_pdl = sm_version(self.arch) >= PDL_MIN_SM and triton_has_pdl()
         if self.config is not None:
-            found = Lookup(self.config.for_target(is_cuda), "pinned")
+            found = Lookup(self.config, "pinned")
         else:
             found = _cached_lookup(dev_key, prepared.fmt, prepared.num_experts, prepared.hidden_size,
                                    prepared.intermediate_size, num_tokens, is_cuda, self.table)
         if self.decode is not None and self.decode != found.config.decode:
-            cfg = replace(found.config, decode=self.decode).for_target(is_cuda)
-            found = Lookup(cfg, found.source + f" decode={cfg.decode}")
-        return found
+            found = Lookup(replace(found.config, decode=self.decode), found.source + f" decode={self.decode}")
+        return Lookup(found.config.for_target(is_cuda, has_pdl), found.source)
 
     # -- running --------------------------------------------------------
     def plan(self, prepared, hidden: torch.Tensor, topk_weights: torch.Tensor,
@@ -180,6 +180,13 @@ class TritonBackend(MoEBackend):
             hidden = hidden.contiguous()
         return hidden, topk_weights.contiguous(), topk_ids.contiguous(), \
             None if expert_map is None else expert_map.contiguous()
+
+
+@lru_cache(maxsize=1)
+def triton_has_pdl() -> bool:
+    """Whether this Triton launches programmatic dependents (3.4+: launch_pdl, griddepcontrol)."""
+    from kimi_k3_moe.kernels.triton._details import pdl
+    return pdl.AVAILABLE
 
 
 @lru_cache(maxsize=1)

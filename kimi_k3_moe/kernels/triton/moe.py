@@ -5,8 +5,8 @@ import torch
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs.triton_table import MoEConfig
-from kimi_k3_moe.kernels.triton.alignment import align_launches
-from kimi_k3_moe.kernels.triton.launch import Launch
+from kimi_k3_moe.kernels.triton.alignment import align_launches, direct_pairs
+from kimi_k3_moe.kernels.triton.launch import Launch, chain_dependents
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, word_order
 from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k, stage2_aligned, stage2_gemv
@@ -15,8 +15,14 @@ from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k, stage2_aligned, stag
 def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, activation: ActivationSpec, expert_map: torch.Tensor | None,
              out: torch.Tensor, config: MoEConfig) -> list[Launch]:
-    """Launches computing `out` ([T, H], written in full) in order; buffers are allocated here."""
+    """Launches computing `out` ([T, H], written in full) in order; buffers are allocated here.
+    With config.pdl each launch after the first is a programmatic dependent of the one before."""
     config.validate(experts.hidden_size, experts.intermediate_size)
+    launches = _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, out, config)
+    return chain_dependents(launches) if config.pdl else launches
+
+
+def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, out, config) -> list[Launch]:
     s1_cfg, s2_cfg = config.stage1, config.stage2
     if config.path == "gemv":  # both stages read their activations in word order
         x, permute = word_order(hidden, s1_cfg.block_k)
@@ -26,7 +32,10 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
         return [permute, s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
                                           s2_cfg, config.decode, s2_block_k)]
     bm1, bm2 = config.block_ms
-    pairs, launches = align_launches(topk_ids, expert_map, experts.num_experts, bm1)
+    if config.path == "direct":
+        pairs, launches = direct_pairs(topk_ids, expert_map, bm1), []
+    else:
+        pairs, launches = align_launches(topk_ids, expert_map, experts.num_experts, bm1)
     pairs2 = pairs
     if bm2 != bm1:  # stage 2's own row blocks over the same pairs (inter is stored per pair)
         pairs2, align2 = align_launches(topk_ids, expert_map, experts.num_experts, bm2)

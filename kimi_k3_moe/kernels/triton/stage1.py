@@ -41,10 +41,13 @@ def activation_args(activation: ActivationSpec) -> dict:
     raise UnsupportedActivationError(f"the Triton backend has no kernel for activation {activation.name!r}")
 
 
-def row_tile_args(block_m: int) -> dict:
-    """The aligned kernels' row-block constexprs: BLOCK_M main rows and TAIL_M tail rows."""
-    main, tail = row_tiles(block_m)
-    return dict(BLOCK_M=main, TAIL_M=tail)
+def row_tile_args(pairs: AlignedPairs) -> dict:
+    """The aligned kernels' row-block arguments: BLOCK_M main rows and TAIL_M tail rows, and whether
+    each block is one pair whose expert the kernel looks up itself (DIRECT, expert map applied)."""
+    main, tail = row_tiles(pairs.block_m)
+    emap = pairs.expert_map
+    return dict(BLOCK_M=main, TAIL_M=tail, DIRECT=pairs.direct, HAS_MAP=emap is not None,
+                map_ptr=pairs.block_expert if emap is None else emap)
 
 
 def weight_args(experts: TritonExperts, which: str, decode: str) -> dict:
@@ -64,7 +67,7 @@ def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch
     """hidden (any float dtype) -> bf16 copy in word order of block_k tiles (see permute_kernels.py)."""
     out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
     return out, Launch(permute_words_kernel, (hidden.shape[0], cdiv(hidden.shape[1], block_k)), dict(
-        x_ptr=hidden, stride_xm=hidden.stride(0), out_ptr=out, stride_om=out.stride(0), BLOCK_K=block_k),
+        x_ptr=hidden, stride_xm=hidden.stride(0), out_ptr=out, stride_om=out.stride(0), BLOCK_K=block_k, PDL=False),
         4, 1, "stage1.word_order")
 
 
@@ -77,7 +80,7 @@ def pair_order(hidden: torch.Tensor, block_t: int = 16, block_k: int = 512) -> t
     block_k = min(block_k, next_pow2(k))
     return out, Launch(permute_pairs_kernel, (cdiv(rows, block_t), cdiv(k, block_k)), dict(
         x_ptr=hidden, stride_xm=hidden.stride(0), out_ptr=out, stride_om=out.stride(0), num_rows=rows, K=k,
-        BLOCK_T=block_t, BLOCK_K=block_k), 4, 1, "stage1.pair_order")
+        BLOCK_T=block_t, BLOCK_K=block_k, PDL=False), 4, 1, "stage1.pair_order")
 
 
 def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
@@ -94,9 +97,9 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
                 num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
                 TOPK=topk, SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
-                PAIRS=cfg.pairs, **row_tile_args(pairs.block_m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                PAIRS=cfg.pairs, **row_tile_args(pairs), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs,
-                STACK_GATE_UP=cfg.stack_gate_up)
+                STACK_GATE_UP=cfg.stack_gate_up, PDL=False)
     grid = (pairs.max_blocks * cdiv(inter_size, cfg.block_n),)
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
 
@@ -115,6 +118,6 @@ def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Te
                 ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
                 TOPK=topk, HAS_MAP=expert_map is not None,
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k)
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k, PDL=False)
     grid = (num_pairs, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_gemv_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.gemv")

@@ -28,7 +28,7 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
         sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
         num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
         SWAP=cfg.swap, INTERLEAVE=cfg.interleave, PAIRS=cfg.pairs,
-        **row_tile_args(pairs.block_m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles),
+        **row_tile_args(pairs), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles, PDL=False),
         cfg.num_warps, cfg.num_stages, "stage2.aligned")
     return [matmul, topk_reduce(y, pairs, out, topk)]
 
@@ -37,9 +37,11 @@ def topk_reduce(y: torch.Tensor, pairs: AlignedPairs, out: torch.Tensor, topk: i
     """out[t] = the sum of y over t's top-k slots, in slot order, fp32 (absent slots add nothing)."""
     hidden = y.shape[1]
     block = min(REDUCE_BLOCK, next_pow2(hidden))
+    emap = pairs.expert_map if pairs.direct else None  # aligned pairs' `local` has it applied
     return Launch(topk_reduce_kernel, (out.shape[0], cdiv(hidden, block)), dict(
-        y_ptr=y, stride_ym=y.stride(0), local_ptr=pairs.local, out_ptr=out, stride_om=out.stride(0),
-        hidden=hidden, TOPK=topk, BLOCK_N=block), 4, 1, "stage2.reduce")
+        y_ptr=y, stride_ym=y.stride(0), local_ptr=pairs.local, map_ptr=pairs.local if emap is None else emap,
+        out_ptr=out, stride_om=out.stride(0), hidden=hidden, TOPK=topk, HAS_MAP=emap is not None,
+        BLOCK_N=block, PDL=False), 4, 1, "stage2.reduce")
 
 
 def gemv_block_k(cfg: KernelConfig, topk: int, inter_size: int, expert_map: torch.Tensor | None) -> int:
@@ -67,5 +69,5 @@ def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Ten
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
         topk_w_ptr=topk_weights.reshape(-1), hidden=hidden, inter_size=experts.intermediate_size,
         TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k),
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, PDL=False),
         cfg.num_warps, cfg.num_stages, "stage2.gemv")]

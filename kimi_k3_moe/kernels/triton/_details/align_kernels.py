@@ -16,9 +16,12 @@ Four launches, no host synchronisation (grids are sized by upper bounds):
 import triton
 import triton.language as tl
 
+from kimi_k3_moe.kernels.triton._details.pdl import enter
+
 
 @triton.jit
-def align_zero_kernel(ptr, n, BLOCK: tl.constexpr):
+def align_zero_kernel(ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < n)
 
@@ -26,7 +29,8 @@ def align_zero_kernel(ptr, n, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=["num_pairs", "max_rows"])
 def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr,
                        num_pairs, max_rows,
-                       HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -43,7 +47,8 @@ def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr,
 
 @triton.jit
 def align_offsets_kernel(counts_ptr, offsets_ptr, num_rows_ptr, num_experts,
-                         BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+                         BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     e = tl.arange(0, E_POW2)
     c = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
     padded = (c + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -54,7 +59,8 @@ def align_offsets_kernel(counts_ptr, offsets_ptr, num_rows_ptr, num_experts,
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def align_scatter_kernel(local_ptr, offsets_ptr, fill_ptr, sorted_ptr, block_expert_ptr,
-                         num_pairs, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+                         num_pairs, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    enter(PDL)
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(local_ptr + offs, mask=offs < num_pairs, other=-1)

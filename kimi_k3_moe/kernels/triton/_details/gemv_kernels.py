@@ -18,6 +18,7 @@ import triton.language as tl
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import decode_weight_raw, load_weight_raw
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
+from kimi_k3_moe.kernels.triton._details.pdl import let_next_start, wait_for_previous
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
 
@@ -36,6 +37,28 @@ def _fma_words(acc, x_ptrs, x_mask, v0, v1, v2, v3, v4, v5, v6, v7, W: tl.conste
 
 
 @triton.jit
+def _fma_k_loop(acc, w_rows, s_rows, o_rows, w_mask, x_words, x_mask, K: tl.constexpr, FMT: tl.constexpr,
+                HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                PDL: tl.constexpr):
+    """acc [ROWS, BLOCK_K/8] += the words of W[:, 0:K] times x (word order), decoded step by step.
+
+    The weight loads run one K step ahead of the arithmetic (they feed no dot, so the compiler's
+    pipeliner leaves them alone); the step after the last re-reads the last tile (an L2 hit)
+    instead of masking. PDL: x is the output of the launch before this one, which may still be
+    running: the first step's weights are requested before waiting for it (they never depend on it).
+    (Issuing all of K's loads at once instead was no faster on the H200, 2026-12-02: docs/PERF.md.)"""
+    w, s, o = load_weight_raw(w_rows, s_rows, o_rows, 0, w_mask, FMT, HAS_OFFSETS, BLOCK_K)
+    wait_for_previous(PDL)
+    for k0 in range(0, K, BLOCK_K):
+        k_next = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
+        w_next, s_next, o_next = load_weight_raw(w_rows, s_rows, o_rows, k_next, w_mask, FMT, HAS_OFFSETS, BLOCK_K)
+        v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, ROWS, BLOCK_K)
+        acc = _fma_words(acc, x_words + k0, x_mask, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
+        w, s, o = w_next, s_next, o_next
+    return acc
+
+
+@triton.jit
 def stage1_gemv_kernel(
     x_ptr, stride_xm,
     w_ptr, stride_we, stride_wn,
@@ -43,16 +66,18 @@ def stage1_gemv_kernel(
     o_ptr,
     inter_ptr, stride_im,
     ids_ptr, map_ptr,
-    inter_size, hidden,
+    inter_size, hidden: tl.constexpr,
     beta, linear_beta,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     ACT: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    OUT_BLOCK_K: tl.constexpr,
+    OUT_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """inter[pair, n] = act(gate . x, up . x) for one (token, slot) pair and BLOCK_N columns.
 
     x is in word order of BLOCK_K tiles; inter is written in word order of OUT_BLOCK_K
-    tiles (stage 2's), or in plain order when OUT_BLOCK_K is 0."""
+    tiles (stage 2's), or in plain order when OUT_BLOCK_K is 0. PDL: see _details/pdl.py; the
+    first weights are requested before the wait (_fma_k_loop)."""
+    let_next_start(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + pair).to(tl.int32)
@@ -71,17 +96,8 @@ def stage1_gemv_kernel(
     cw = tl.arange(0, BLOCK_K // 8)
     x_words = x_ptr + tok * stride_xm + cw[None, :]
     acc = tl.zeros((2 * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    # loads run one K step ahead of the arithmetic (these loads feed no dot, so the
-    # compiler's pipeliner leaves them alone; this keeps two steps of bytes in flight).
-    # The step after the last re-reads the last tile (an L2 hit) instead of masking.
-    w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, 0, mask_r, FMT, HAS_OFFSETS, BLOCK_K)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_next = tl.minimum(k0 + BLOCK_K, hidden - BLOCK_K)
-        w_next, s_next, o_next = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k_next, mask_r,
-                                                 FMT, HAS_OFFSETS, BLOCK_K)
-        v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, 2 * BLOCK_N, BLOCK_K)
-        acc = _fma_words(acc, x_words + k0, cw[None, :] >= 0, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
-        w, s, o = w_next, s_next, o_next
+    acc = _fma_k_loop(acc, w_rows, s_ptr + so, o_ptr + so, mask_r, x_words, cw[None, :] >= 0, hidden, FMT,
+                      HAS_OFFSETS, DECODE, 2 * BLOCK_N, BLOCK_K, PDL)
     gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
     h = apply_activation(gate, up, beta, linear_beta, ACT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,21 +117,25 @@ def stage2_gemv_kernel(
     o_ptr,
     out_ptr, stride_om,
     ids_ptr, map_ptr, topk_w_ptr,
-    hidden, inter_size,
+    hidden, inter_size: tl.constexpr,
     TOPK: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, n] = sum over slots of router_weight * (W2_e[n] . inter[pair]), fp32, fixed order.
 
     inter is in word order of BLOCK_K tiles. Without an expert map one tile holds every slot of the
     token (rows = SLOTS x BLOCK_N, SLOTS = TOPK rounded up to a power of two), so all of the token's
     experts stream at once; with one (HAS_MAP), the local slots are taken one at a time.
+    PDL: see _details/pdl.py; the first weights are requested before the wait (_fma_k_loop).
     """
+    let_next_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if HAS_MAP:
         # under expert parallelism most of a token's slots live on other ranks: one slot at a time,
         # skipping those, instead of decoding (masked) tiles for all of them
+        wait_for_previous(PDL)
         _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
                                  o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden, inter_size, t,
                                  pid_n, TOPK, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
@@ -133,15 +153,8 @@ def stage2_gemv_kernel(
     x_words = inter_ptr + pair[:, None] * stride_im + cw[None, :]
     x_mask = here[:, None] & (cw[None, :] >= 0)
     acc = tl.zeros((SLOTS * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, 0, here[:, None], FMT, HAS_OFFSETS, BLOCK_K)
-    for k0 in range(0, inter_size, BLOCK_K):
-        k_next = tl.minimum(k0 + BLOCK_K, inter_size - BLOCK_K)
-        w_next, s_next, o_next = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k_next, here[:, None],
-                                                 FMT, HAS_OFFSETS, BLOCK_K)
-        v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE,
-                                                           SLOTS * BLOCK_N, BLOCK_K)
-        acc = _fma_words(acc, x_words + k0, x_mask, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
-        w, s, o = w_next, s_next, o_next
+    acc = _fma_k_loop(acc, w_rows, s_ptr + so, o_ptr + so, here[:, None], x_words, x_mask, inter_size, FMT,
+                      HAS_OFFSETS, DECODE, SLOTS * BLOCK_N, BLOCK_K, PDL)
     gate = tl.load(topk_w_ptr + pair, mask=slot < TOPK, other=0.0).to(tl.float32)
     per_row = tl.where(here, tl.sum(acc, axis=1) * gate, 0.0)
     total = tl.sum(tl.reshape(per_row, (SLOTS, BLOCK_N)), axis=0)
@@ -151,9 +164,10 @@ def stage2_gemv_kernel(
 
 @triton.jit
 def _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
-                             o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden, inter_size, t,
-                             pid_n, TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                             DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden,
+                             inter_size: tl.constexpr, t, pid_n, TOPK: tl.constexpr, FMT: tl.constexpr,
+                             HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
     """stage2_gemv_kernel with an expert map: the token's slots in order, fp32, those of other ranks skipped."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (n < hidden)[:, None]

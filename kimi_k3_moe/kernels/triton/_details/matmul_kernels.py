@@ -24,6 +24,7 @@ from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import (load_weight_pairs, load_weight_tile, load_weight_words,
                                                         pair_order, word_k_offsets)
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
+from kimi_k3_moe.kernels.triton._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
 
@@ -235,6 +236,23 @@ def _row_tile(sorted_ptr, start, num_pairs, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _direct_tile(pid_m, num_pairs, ROWS: tl.constexpr):
+    """Path "direct": block pid_m is pair pid_m in its first row, padding after it."""
+    r = tl.arange(0, ROWS)
+    pair = tl.where(r == 0, pid_m, num_pairs)
+    return pair, pair < num_pairs
+
+
+@triton.jit
+def _local_expert(ids_ptr, map_ptr, i, HAS_MAP: tl.constexpr):
+    """The local expert of pair i (topk_ids through expert_map; -1: not on this rank)."""
+    e = tl.load(ids_ptr + i).to(tl.int32)
+    if HAS_MAP:
+        e = tl.where(e >= 0, tl.load(map_ptr + tl.maximum(e, 0)).to(tl.int32), -1)
+    return e
+
+
+@triton.jit
 def _store_inter(acc_g, acc_u, beta, linear_beta, ACT: tl.constexpr, inter_ptr, stride_im, pair, row_ok, offs_n,
                  dest, inter_size):
     """Stage 1's epilogue on one row tile: the activation of the full K sums, stored at each real
@@ -251,13 +269,14 @@ def stage1_aligned_kernel(
     s_ptr, stride_se, stride_sn,
     o_ptr,
     inter_ptr, stride_im,
-    sorted_ptr, block_expert_ptr, num_rows_ptr,
+    sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
     num_pairs, inter_size, hidden: tl.constexpr,
     beta, linear_beta,
     TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
     DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    OUT_BLOCK_K: tl.constexpr, OUT_PAIRS: tl.constexpr, STACK_GATE_UP: tl.constexpr,
+    OUT_BLOCK_K: tl.constexpr, OUT_PAIRS: tl.constexpr, STACK_GATE_UP: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """inter[pair, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
 
@@ -266,13 +285,24 @@ def stage1_aligned_kernel(
     else x in word order of BLOCK_K tiles and eight dots per step. inter goes out in pair
     order (OUT_PAIRS), in word order of OUT_BLOCK_K tiles (what stage 2's word dots read), or
     plain when OUT_BLOCK_K is 0. Padded rows are not stored. STACK_GATE_UP (with PAIRS): one
-    dot per K step on the stacked gate/up tile (_gate_up_stacked)."""
+    dot per K step on the stacked gate/up tile (_gate_up_stacked). DIRECT: block pid_m is pair
+    pid_m (path "direct"), its expert read from topk_ids (block_expert_ptr) through the expert map.
+    PDL: _details/pdl.py."""
+    enter(PDL)
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
-    start = pid_m * (BLOCK_M + TAIL_M)
-    if start >= tl.load(num_rows_ptr):
-        return
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+    if DIRECT:
+        tl.static_assert(TAIL_M == 0, "a direct block is one pair")
+        e32 = _local_expert(block_expert_ptr, map_ptr, pid_m, HAS_MAP)
+        if e32 < 0:
+            return
+        e = e32.to(tl.int64)
+        pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
+    else:
+        start = pid_m * (BLOCK_M + TAIL_M)
+        if start >= tl.load(num_rows_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
     x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
     if TAIL_M > 0:
         pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
@@ -379,12 +409,12 @@ def stage2_aligned_kernel(
     o_ptr,
     y_ptr, stride_ym,
     topk_w_ptr,
-    sorted_ptr, block_expert_ptr, num_rows_ptr,
+    sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
     num_pairs, hidden, inter_size: tl.constexpr,
     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
     INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_TILES: tl.constexpr,
+    N_TILES: tl.constexpr, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[pair, n] = router_weight[pair] * (inter[pair] . W2_e[n]), stored per (token, slot) pair.
 
@@ -393,13 +423,22 @@ def stage2_aligned_kernel(
     flight during a tile's decode and store (K = I is a few steps: a K loop per tile starts from an
     empty pipeline every time).
     PAIRS: inter in pair order, one dot per K step. Padded rows (never stored by stage 1)
-    are not loaded."""
+    are not loaded. DIRECT: as stage1_aligned_kernel. PDL: _details/pdl.py."""
+    enter(PDL)
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
-    start = pid_m * (BLOCK_M + TAIL_M)
-    if start >= tl.load(num_rows_ptr):
-        return
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+    if DIRECT:
+        tl.static_assert(TAIL_M == 0, "a direct block is one pair")
+        e32 = _local_expert(block_expert_ptr, map_ptr, pid_m, HAS_MAP)
+        if e32 < 0:
+            return
+        e = e32.to(tl.int64)
+        pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
+    else:
+        start = pid_m * (BLOCK_M + TAIL_M)
+        if start >= tl.load(num_rows_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
     ka = word_k_offsets(BLOCK_K)
     a_rows = inter_ptr + pair[:, None].to(tl.int64) * stride_im
     if TAIL_M > 0:
@@ -431,15 +470,17 @@ def stage2_aligned_kernel(
 
 
 @triton.jit
-def topk_reduce_kernel(y_ptr, stride_ym, local_ptr, out_ptr, stride_om, hidden,
-                       TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[t] = sum over slots s (in slot order, fp32) of y[t*TOPK + s]; absent slots add nothing."""
+def topk_reduce_kernel(y_ptr, stride_ym, local_ptr, map_ptr, out_ptr, stride_om, hidden,
+                       TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum over slots s (in slot order, fp32) of y[t*TOPK + s]; absent slots add nothing.
+    local: each pair's local expert (-1: not on this rank), or its global one through map (HAS_MAP)."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs < hidden
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for s in tl.static_range(TOPK):
-        e = tl.load(local_ptr + t * TOPK + s)
+        e = _local_expert(local_ptr, map_ptr, t * TOPK + s, HAS_MAP)
         v = tl.load(y_ptr + (t * TOPK + s) * stride_ym + offs, mask=mask & ((offs * 0 + e) >= 0), other=0.0)
         acc += v.to(tl.float32)
     tl.store(out_ptr + t * stride_om + offs, cast_to(acc, out_ptr.dtype.element_ty), mask=mask)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
+from kimi_k3_moe.kernels.triton._details.pdl import enter
 
 
 @triton.jit
@@ -21,8 +22,9 @@ def word_position(k, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def permute_words_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.constexpr):
+def permute_words_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[t] = x[t] in word order (bf16); one program per (row, BLOCK_K tile)."""
+    enter(PDL)
     W: tl.constexpr = BLOCK_K // 8
     t = tl.program_id(0).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
@@ -34,11 +36,12 @@ def permute_words_kernel(x_ptr, stride_xm, out_ptr, stride_om, BLOCK_K: tl.const
 
 @triton.jit(do_not_specialize=["num_rows"])
 def permute_pairs_kernel(x_ptr, stride_xm, out_ptr, stride_om, num_rows, K: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[t] = x[t] in pair order (bf16; decode.pair_order, its own inverse) for BLOCK_T rows x
     BLOCK_K columns per program. Inside each 32-group pair order swaps the 4 x 4 (word, pair)
     indices of K = 32g + 8q + 2p + b, so rows are read and written contiguously and the swap is
     a register permute (a gather by pair_order(k) reads 2 bytes per load: 0.8 TB/s on the H200)."""
+    enter(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (t < num_rows)[:, None] & (k < K)[None, :]
