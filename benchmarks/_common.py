@@ -114,8 +114,7 @@ def _build_plan(recipe: Recipe, device="cuda"):
 def _warm(recipe: Recipe) -> str:
     try:
         for launch in _build_plan(recipe):
-            launch.kernel.warmup(**launch.args, grid=launch.grid, num_warps=launch.num_warps,
-                                 num_stages=launch.num_stages)
+            launch.kernel.warmup(**launch.args, grid=launch.grid, **launch.options())
         return ""
     except Exception as exc:  # reported, and the main process compiles it again itself
         return f"{recipe}: {type(exc).__name__}: {exc}"[:400]

@@ -29,7 +29,7 @@ def apply(table: dict, run: dict, source: str, margin: float) -> list[str]:
             continue
         old = tiers[tier]
         new = tt.MoEConfig.from_json(row["best_config"]).to_json()
-        previous = {k: old[k] for k in ("path", "block_m", "stage1", "stage2", "decode", "stage2_block_m") if k in old}
+        previous = {k: old[k] for k in ("path", "block_m", "stage1", "stage2", "decode", "stage2_block_m", "pdl") if k in old}
         tiers[tier] = dict(new, tuned=True, us=round(row["best_us"], 1), previous_us=round(base_us, 1),
                            previous=previous,
                            note=f"benchmarks/pair_variants.py ({row['best']}) on the {run['info']['gpu']} "

@@ -246,18 +246,18 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
                     chk.record(diff > MIN_ACT_DIFFERENCE, check="silu!=situ", tokens=t, fmt=fmt, variant=label,
                                rel_diff=diff)
 
-    # Expert parallelism: odd experts live on another rank.
-    t = 64
-    hidden = random_hidden(t, h, dev, gen)
-    weights, ids = random_routing(t, e, topk, dev, gen)
+    # Expert parallelism: odd experts live on another rank (3 tokens: the table's small-batch path).
     emap = torch.arange(e, device=dev, dtype=torch.int32)
     emap[1::2] = -1
-    for label, opts in (("default", {}), ("gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")})):
+    for t, label, opts in ((3, "default", {}), (64, "default", {}),
+                           (64, "gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")})):
+        hidden = random_hidden(t, h, dev, gen)
+        weights, ids = random_routing(t, e, topk, dev, gen)
         be = get_backend("triton", **opts)
         ref = reference(caches["mxfp4"], hidden, weights, ids, SITU, emap)
         out = run_once(be, prepared["mxfp4"], hidden, weights, ids, SITU, emap)
         chk.record(relative_l2(out.float(), ref) <= TOLERANCE, check="expert_map", tokens=t, variant=label,
-                   rel_l2=relative_l2(out.float(), ref))
+                   rel_l2=relative_l2(out.float(), ref), config=be.lookup(prepared["mxfp4"], t).source)
 
     # MXFP4 with a scale above 2: the two-multiply decoder through every path of the table.
     p = prepared["mxfp4-wide"]
@@ -284,8 +284,8 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
                    rel_l2=relative_l2(out.float(), ref))
     del cache
 
-    # CUDA graph capture and replay give the eager result.
-    for t in ((3, 257) if dev == "cuda" else ()):
+    # CUDA graph capture and replay give the eager result (1-16 tokens: programmatic dependent launch).
+    for t in ((1, 3, 16, 257) if dev == "cuda" else ()):
         hidden = random_hidden(t, h, dev, gen)
         weights, ids = random_routing(t, e, topk, dev, gen)
         be = backends["mxfp4"]

@@ -6,6 +6,10 @@ this run; each candidate's output is compared with the baseline's (relative L2) 
 discarded above 1e-2.
 
     python benchmarks/pair_variants.py [--tokens 16,64,...] [--formats mxfp4,int4] [--out F] [--configs F]
+                                       [--per-launch]
+
+--per-launch also times the graphs of each config's first i launches (L2 flushed before each), so a
+row says what each launch adds, its gap to the one before included.
 """
 from __future__ import annotations
 
@@ -124,6 +128,19 @@ def ep_candidates(base: MoEConfig, tokens: int, hidden: int, inter: int) -> dict
     return valid
 
 
+def launch_times(backend, prepared, hidden, weights, ids, act, emap, out, timer, reps) -> list:
+    """[label, us] per launch of one forward: the time of the graph of launches 1..i less that of
+    1..i-1 (a launch's own time plus the gap before it; a prefix replays from scratch, as the whole
+    forward does: the alignment's counters are cleared by its first launch)."""
+    plan = backend.plan(prepared, hidden, weights, ids, act, emap, out)
+    rows, before = [], 0.0
+    for i, launch in enumerate(plan):
+        upto = timer.time_graph(lambda: [f() for f in plan[:i + 1]], reps=reps)["median_us"]
+        rows.append([launch.label, round(upto - before, 2)])
+        before = upto
+    return rows
+
+
 def main() -> int:
     from _common import (K3_TOPK, ColdL2Timer, Recipe, copy_bandwidth_gbps, env_info, log,
                          mxfp4_bytes_per_expert, precompile, random_experts, random_hidden, random_routing,
@@ -141,6 +158,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default="results/pair_variants.json")
     ap.add_argument("--configs", help="JSON {tokens: {name: MoEConfig json}} timed instead of the generated candidates")
+    ap.add_argument("--per-launch", action="store_true", help="time what each launch of every config adds (prefix graphs)")
     args = ap.parse_args()
     situ = ActivationSpec.situv2(4.0, 25.0)
     from kimi_k3_moe.bench.data import expert_map_for
@@ -189,8 +207,15 @@ def main() -> int:
                     if not err < 1e-2:
                         row[f"{name}_error"] = f"rel L2 vs table {err:.3g}"
                         continue
+                    eager = out.clone()
                     row[f"{name}_us"] = timer.time_graph(lambda: b.forward(p, hidden, weights, ids, situ, emap, out=out),
                                                          reps=args.reps)["median_us"]
+                    # the last graph replay against the eager run: a race (e.g. a launch reading its
+                    # predecessor's output too early) shows as a difference
+                    row[f"{name}_replay_bitwise"] = bool(torch.equal(out, eager))
+                    if args.per_launch:
+                        row[f"{name}_launches"] = launch_times(b, p, hidden, weights, ids, situ, emap, out, timer,
+                                                               args.reps)
                 except Exception as exc:
                     row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
             timed = {k[:-3]: v for k, v in row.items() if k.endswith("_us") and k != "floor_bw_us"}
@@ -200,6 +225,9 @@ def main() -> int:
             rows.append(row)
             log(f"{fmt} T={t}: floor {floor:.1f} table {row.get('table_us', float('nan')):.1f} "
                 f"best {best} {timed[best]:.1f} ({timed[best] / floor:.2f}x floor)")
+            for name in sorted(timed, key=timed.get):
+                parts = " ".join(f"{label}={us}" for label, us in row.get(f"{name}_launches", []))
+                log(f"  {name:40s} {timed[name]:9.1f}  {parts}")
             write_json(args.out, {"info": info, "copy_bw_GBps": bw, "shape": s.to_json(), "rows": rows})
     return 0
 
