@@ -161,3 +161,19 @@ def test_tuning_space_tries_tail_blocks_and_split_stage2_at_4096_plus():
                 c.validate(3584, 384)
     assert all(tt.row_tiles(bm)[1] == 0 for tier in (16, 256, 1024)
                for path, bm in ts.candidates(tier, 3584, 384) if path == "aligned")
+
+
+def test_tuning_space_tries_the_direct_path_with_pdl_at_the_small_tiers():
+    """Up to GEMV_MAX_TOKENS the tuner's space holds the direct path (pdl on; stage-2 K steps fitted
+    to I, TP16's 192 included) beside the GEMV and aligned ones; above, none."""
+    from kimi_k3_moe.kernels.triton import tuning_space as ts
+    for inter in (384, 192, 3072):
+        for tier in ts.TIERS:
+            space = ts.candidates(tier, 3584, inter)
+            if tier > ts.GEMV_MAX_TOKENS:
+                assert ("direct", tt.DIRECT_BLOCK_M) not in space
+                continue
+            s1, s2, base = space[("direct", tt.DIRECT_BLOCK_M)]
+            assert s1 and s2
+            for c in (base, *s1, *s2):
+                assert c.path == "direct" and c.pdl and c.validate(3584, inter) is c

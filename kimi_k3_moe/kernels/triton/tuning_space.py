@@ -43,6 +43,10 @@ ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PA
 ALIGNED_S2_TILES = [(64, 128, 4, 3, PAIRS, 8), (64, 128, 4, 3, PAIRS, 14), (64, 64, 4, 2, PAIRS, 4),
                     (128, 128, 4, 2, False, 4)]
 TILES_MAX_TOKENS = 1024
+# the direct path (one pair per 16-row block, no alignment launches) at the GEMV tiers, with
+# programmatic dependent launch; the H200's winners at 1-16 tokens (2026-12-02) first
+DIRECT_S1 = [(32, 256, 4, 3, STACKED), (64, 256, 4, 3, PAIRS), (32, 128, 4, 4, STACKED)]
+DIRECT_S2 = [(64, 128, 4, 3, PAIRS, 2), (64, 64, 4, 2, PAIRS, 4), (64, 128, 4, 3, PAIRS)]
 # per thread, the activations a pair-order stage 2 with n_tiles > 1 holds for all its tiles
 # (block_m x I bf16; 192 B = 48 registers: what TP8's 32-row blocks need, EP16's I = 3072 spills)
 TILES_X_BYTES_PER_THREAD = 192
@@ -103,6 +107,7 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
         s2 = [replace(base, stage2=kc(c)) for c in GEMV_S2[:n]]
         out[("gemv", 0)] = ([c for c in s1 if valid(c, hidden, inter)],
                             list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter))), base)
+        out.update(_direct_candidates(hidden, inter, n))
     # quick: the two smallest row blocks (the largest never won a tier on the H200)
     for bm in block_ms(tier)[:2] if quick else block_ms(tier):
         base = replace(base_h, block_m=bm, stage1=replace(base_h.stage1, swap=bm <= 64),
@@ -120,6 +125,19 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
     for bm in TAIL_BLOCKS.get(tier, ()):
         out.update(_tail_candidates(base_h, bm, hidden, inter, n))
     return out
+
+
+def _direct_candidates(hidden: int, inter: int, n: int | None) -> dict:
+    """The direct path with pdl: DIRECT_S1 x the first stage 2, the first stage 1 x DIRECT_S2
+    (stage-2 K steps that do not divide I, TP16's 192, become 64 wide)."""
+    def fit(c: KernelConfig) -> KernelConfig:
+        return c if inter % c.block_k == 0 else replace(c, block_k=64)
+    base = MoEConfig("direct", tt.DIRECT_BLOCK_M, kc(DIRECT_S1[0]), fit(kc(DIRECT_S2[0])), "ptx", pdl=True)
+    s1 = [replace(base, stage1=kc(c)) for c in DIRECT_S1[:n]]
+    s2 = [replace(base, stage2=fit(kc(c))) for c in DIRECT_S2[:n]]
+    s1 = [c for c in s1 if valid(c, hidden, inter)]
+    s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
+    return {("direct", tt.DIRECT_BLOCK_M): (s1, s2, s1[0])} if s1 and s2 else {}
 
 
 def _tail_candidates(base_h: MoEConfig, bm: int, hidden: int, inter: int, n: int | None) -> dict:

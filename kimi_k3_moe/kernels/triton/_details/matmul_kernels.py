@@ -253,6 +253,32 @@ def _local_expert(ids_ptr, map_ptr, i, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
+def _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr, num_pairs, DIRECT: tl.constexpr,
+               HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
+    """Row block pid_m: (whether it holds rows, its expert (int64), the main tile's pairs and real-row
+    mask, the tail tile's (the main ones when TAIL_M is 0)). DIRECT: block pid_m is pair pid_m (path "direct"), its expert read from
+    topk_ids (block_expert_ptr) through the expert map, and it holds rows when that expert is here."""
+    if DIRECT:
+        tl.static_assert(TAIL_M == 0, "a direct block is one pair")
+        e = _local_expert(block_expert_ptr, map_ptr, pid_m, HAS_MAP)
+        live = e >= 0
+        pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
+        pair_t, row_ok_t = pair, row_ok
+    else:
+        # every program's block lies within the buffers (max_blocks of block_m rows), so reading them
+        # for a block past the rows in use is harmless: the caller returns before using them
+        start = pid_m * (BLOCK_M + TAIL_M)
+        live = start < tl.load(num_rows_ptr)
+        e = tl.load(block_expert_ptr + pid_m)
+        pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+        if TAIL_M > 0:
+            pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
+        else:
+            pair_t, row_ok_t = pair, row_ok
+    return live, e.to(tl.int64), pair, row_ok, pair_t, row_ok_t
+
+
+@triton.jit
 def _store_inter(acc_g, acc_u, beta, linear_beta, ACT: tl.constexpr, inter_ptr, stride_im, pair, row_ok, offs_n,
                  dest, inter_size):
     """Stage 1's epilogue on one row tile: the activation of the full K sums, stored at each real
@@ -285,30 +311,19 @@ def stage1_aligned_kernel(
     else x in word order of BLOCK_K tiles and eight dots per step. inter goes out in pair
     order (OUT_PAIRS), in word order of OUT_BLOCK_K tiles (what stage 2's word dots read), or
     plain when OUT_BLOCK_K is 0. Padded rows are not stored. STACK_GATE_UP (with PAIRS): one
-    dot per K step on the stacked gate/up tile (_gate_up_stacked). DIRECT: block pid_m is pair
-    pid_m (path "direct"), its expert read from topk_ids (block_expert_ptr) through the expert map.
-    PDL: _details/pdl.py."""
+    dot per K step on the stacked gate/up tile (_gate_up_stacked). DIRECT: _row_block. PDL:
+    _details/pdl.py."""
     enter(PDL)
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
-    if DIRECT:
-        tl.static_assert(TAIL_M == 0, "a direct block is one pair")
-        e32 = _local_expert(block_expert_ptr, map_ptr, pid_m, HAS_MAP)
-        if e32 < 0:
-            return
-        e = e32.to(tl.int64)
-        pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
-    else:
-        start = pid_m * (BLOCK_M + TAIL_M)
-        if start >= tl.load(num_rows_ptr):
-            return
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+    live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
+                                                         num_pairs, DIRECT, HAS_MAP, BLOCK_M, TAIL_M)
+    if not live:
+        return
     x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
     if TAIL_M > 0:
-        pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
         xt_rows = x_ptr + (pair_t // TOPK).to(tl.int64)[:, None] * stride_xm
     else:
-        pair_t, row_ok_t, xt_rows = pair, row_ok, x_rows
+        xt_rows = x_rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (offs_n < inter_size)[:, None]
     ka = word_k_offsets(BLOCK_K)
@@ -423,29 +438,19 @@ def stage2_aligned_kernel(
     flight during a tile's decode and store (K = I is a few steps: a K loop per tile starts from an
     empty pipeline every time).
     PAIRS: inter in pair order, one dot per K step. Padded rows (never stored by stage 1)
-    are not loaded. DIRECT: as stage1_aligned_kernel. PDL: _details/pdl.py."""
+    are not loaded. DIRECT: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
-    if DIRECT:
-        tl.static_assert(TAIL_M == 0, "a direct block is one pair")
-        e32 = _local_expert(block_expert_ptr, map_ptr, pid_m, HAS_MAP)
-        if e32 < 0:
-            return
-        e = e32.to(tl.int64)
-        pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
-    else:
-        start = pid_m * (BLOCK_M + TAIL_M)
-        if start >= tl.load(num_rows_ptr):
-            return
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+    live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
+                                                         num_pairs, DIRECT, HAS_MAP, BLOCK_M, TAIL_M)
+    if not live:
+        return
     ka = word_k_offsets(BLOCK_K)
     a_rows = inter_ptr + pair[:, None].to(tl.int64) * stride_im
     if TAIL_M > 0:
-        pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
         at_rows = inter_ptr + pair_t[:, None].to(tl.int64) * stride_im
     else:
-        pair_t, row_ok_t, at_rows = pair, row_ok, a_rows
+        at_rows = a_rows
     a_words = a_rows + tl.arange(0, BLOCK_K // 8)[None, :]
     a_plain = a_rows + tl.arange(0, BLOCK_K)[None, :]
     at_words = at_rows + tl.arange(0, BLOCK_K // 8)[None, :]
