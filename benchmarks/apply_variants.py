@@ -28,7 +28,11 @@ def apply(table: dict, run: dict, source: str, margin: float) -> list[str]:
         if tier not in tiers or base_us is None or row["best"] == "table" or row["best_us"] > base_us * (1 - margin):
             continue
         old = tiers[tier]
-        new = tt.MoEConfig.from_json(row["best_config"]).to_json()
+        try:  # the run validated it for its own code; the table must hold only what this code accepts
+            new = tt.MoEConfig.from_json(row["best_config"]).validate(shape["hidden"], shape["inter"]).to_json()
+        except (TypeError, ValueError) as exc:
+            changed.append(f"{key} tier {tier}: {row['best']} not applied, invalid here: {exc}")
+            continue
         previous = {k: old[k] for k in ("path", "block_m", "stage1", "stage2", "decode", "stage2_block_m", "pdl") if k in old}
         tiers[tier] = dict(new, tuned=True, us=round(row["best_us"], 1), previous_us=round(base_us, 1),
                            previous=previous,

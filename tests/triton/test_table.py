@@ -177,3 +177,15 @@ def test_tuning_space_tries_the_direct_path_with_pdl_at_the_small_tiers():
             assert s1 and s2
             for c in (base, *s1, *s2):
                 assert c.path == "direct" and c.pdl and c.validate(3584, inter) is c
+
+
+def test_a_quick_tune_tries_the_tail_block_winners():
+    """The quick tuning space (int4, TP16: the first QUICK tiles of each list) holds the tiles that won
+    on tail blocks at 4096+ on the H200, stage 2 on its own 128-row blocks included."""
+    from kimi_k3_moe.kernels.triton import tuning_space as ts
+    for tier, tails in ts.TAIL_BLOCKS.items():
+        for bm in tails:
+            s1, s2, _ = ts.candidates(tier, 3584, 384, quick=True)[("aligned", bm)]
+            assert {ts.kc(t) for t in ts.TAIL_S1_WINNERS} <= {c.stage1 for c in s1}
+            assert {(ts.kc(t, swap=False), ts.SPLIT_STAGE2_BLOCK_M) for t in ts.TAIL_S2_WINNERS} <= \
+                {(c.stage2, c.stage2_block_m) for c in s2}

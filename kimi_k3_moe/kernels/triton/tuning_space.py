@@ -58,6 +58,10 @@ QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the fi
 # these tiers, where a TP8 or EP16 expert holds ~73 (4096) or ~292 (16384) rows; stage 2 is tried
 # on them (swapped) and on blocks of SPLIT_STAGE2_BLOCK_M rows of its own (MoEConfig.stage2_block_m)
 TAIL_BLOCKS = {4096: (96,), 16384: (160, 192)}
+# the tiles that won on tail blocks on the H200 (2026-12-02): stage 1 MXFP4 (64, 64, 8 warps) and int4
+# (4 warps), 64 x 128 at 16384; stage 2 not swapped 256 x 128 and 256 x 64 on its own 128-row blocks
+TAIL_S1_WINNERS = [(64, 64, 8, 3, STACKED), (64, 64, 4, 3, STACKED), (64, 128, 8, 3, STACKED)]
+TAIL_S2_WINNERS = [(256, 128, 8, 3, True), (256, 64, 8, 3, True)]
 SPLIT_STAGE2_BLOCK_M = 128
 
 
@@ -127,6 +131,11 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
     return out
 
 
+def _winners_first(tiles: list, winners: list) -> list:
+    """`tiles` with `winners` moved to the front (so a quick tune, which takes the first few, tries them)."""
+    return list(winners) + [t for t in tiles if t not in winners]
+
+
 def _direct_candidates(hidden: int, inter: int, n: int | None) -> dict:
     """The direct path with pdl: DIRECT_S1 x the first stage 2, the first stage 1 x DIRECT_S2
     (stage-2 K steps that do not divide I, TP16's 192, become 64 wide)."""
@@ -145,9 +154,10 @@ def _tail_candidates(base_h: MoEConfig, bm: int, hidden: int, inter: int, n: int
     stage 2 on its own 128-row blocks (either orientation) or, swapped, on the same blocks."""
     base = replace(base_h, block_m=bm, stage1=replace(base_h.stage1, swap=True),
                    stage2=replace(base_h.stage2, swap=False), stage2_block_m=SPLIT_STAGE2_BLOCK_M)
-    s1 = [replace(base, stage1=kc(c)) for c in ALIGNED_S1[:n]]
-    s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(ALIGNED_S2[:n], (True, False))]
-    s2 += [replace(base, stage2=kc(c), stage2_block_m=None) for c in ALIGNED_S2[:n]]
+    s1 = [replace(base, stage1=kc(c)) for c in _winners_first(ALIGNED_S1, TAIL_S1_WINNERS)[:n]]
+    s2_tiles = _winners_first(ALIGNED_S2, TAIL_S2_WINNERS)[:n]
+    s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(s2_tiles, (True, False))]
+    s2 += [replace(base, stage2=kc(c), stage2_block_m=None) for c in s2_tiles]
     s2 = [c if inter % c.stage2.block_k == 0 else replace(c, stage2=replace(c.stage2, block_k=64)) for c in s2]
     s1 = [c for c in s1 if valid(c, hidden, inter)]
     s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
