@@ -33,7 +33,8 @@ def apply(table: dict, run: dict, source: str, margin: float) -> list[str]:
         except (TypeError, ValueError) as exc:
             changed.append(f"{key} tier {tier}: {row['best']} not applied, invalid here: {exc}")
             continue
-        previous = {k: old[k] for k in ("path", "block_m", "stage1", "stage2", "decode", "stage2_block_m", "pdl") if k in old}
+        previous = {k: old[k] for k in ("path", "block_m", "stage1", "stage2", "decode", "stage2_block_m", "pdl")
+                    if k in old}
         tiers[tier] = dict(new, tuned=True, us=round(row["best_us"], 1), previous_us=round(base_us, 1),
                            previous=previous,
                            note=f"benchmarks/pair_variants.py ({row['best']}) on the {run['info']['gpu']} "

@@ -158,7 +158,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default="results/pair_variants.json")
     ap.add_argument("--configs", help="JSON {tokens: {name: MoEConfig json}} timed instead of the generated candidates")
-    ap.add_argument("--per-launch", action="store_true", help="time what each launch of every config adds (prefix graphs)")
+    ap.add_argument("--per-launch", action="store_true",
+                    help="time what each launch of every config adds (prefix graphs)")
     args = ap.parse_args()
     situ = ActivationSpec.situv2(4.0, 25.0)
     from kimi_k3_moe.bench.data import expert_map_for

@@ -67,7 +67,8 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
     )
     grid = (max(1, cdiv(num_pairs, BLOCK)),)
     launches = [
-        Launch(K.align_zero_kernel, (cdiv(scratch.numel(), 1024),), dict(ptr=scratch, n=scratch.numel(), BLOCK=1024, PDL=False),
+        Launch(K.align_zero_kernel, (cdiv(scratch.numel(), 1024),),
+               dict(ptr=scratch, n=scratch.numel(), BLOCK=1024, PDL=False),
                num_warps=4, num_stages=1, label="align.zero"),
         Launch(K.align_count_kernel, grid, dict(
             ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=pairs.local,

@@ -127,9 +127,12 @@ class TritonBackend(MoEBackend):
         else:
             found = _cached_lookup(dev_key, prepared.fmt, prepared.num_experts, prepared.hidden_size,
                                    prepared.intermediate_size, num_tokens, is_cuda, self.table)
-        if self.decode is not None and self.decode != found.config.decode:
-            found = Lookup(replace(found.config, decode=self.decode), found.source + f" decode={self.decode}")
-        return Lookup(found.config.for_target(is_cuda, has_pdl), found.source)
+        cfg = found.config
+        if self.decode is not None and self.decode != cfg.decode:
+            cfg = replace(cfg, decode=self.decode)
+        target_cfg = cfg.for_target(is_cuda, has_pdl)
+        decoded = "" if cfg is found.config else f" decode={target_cfg.decode}"
+        return Lookup(target_cfg, found.source + decoded)
 
     # -- running --------------------------------------------------------
     def plan(self, prepared, hidden: torch.Tensor, topk_weights: torch.Tensor,

@@ -256,8 +256,9 @@ def _local_expert(ids_ptr, map_ptr, i, HAS_MAP: tl.constexpr):
 def _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr, num_pairs, DIRECT: tl.constexpr,
                HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
     """Row block pid_m: (whether it holds rows, its expert (int64), the main tile's pairs and real-row
-    mask, the tail tile's (the main ones when TAIL_M is 0)). DIRECT: block pid_m is pair pid_m (path "direct"), its expert read from
-    topk_ids (block_expert_ptr) through the expert map, and it holds rows when that expert is here."""
+    mask, the tail tile's (the main ones when TAIL_M is 0)). DIRECT: block pid_m is pair pid_m (path
+    "direct"), its expert read from topk_ids (block_expert_ptr) through the expert map; it holds rows
+    when that expert is on this rank."""
     if DIRECT:
         tl.static_assert(TAIL_M == 0, "a direct block is one pair")
         e = _local_expert(block_expert_ptr, map_ptr, pid_m, HAS_MAP)
