@@ -136,14 +136,16 @@ def _winners_first(tiles: list, winners: list) -> list:
     return list(winners) + [t for t in tiles if t not in winners]
 
 
+def _fit_k(stage2: KernelConfig, inter: int) -> KernelConfig:
+    """A stage-2 tile whose K step does not divide I (TP16's 192) steps 64 wide instead."""
+    return stage2 if inter % stage2.block_k == 0 else replace(stage2, block_k=64)
+
+
 def _direct_candidates(hidden: int, inter: int, n: int | None) -> dict:
-    """The direct path with pdl: DIRECT_S1 x the first stage 2, the first stage 1 x DIRECT_S2
-    (stage-2 K steps that do not divide I, TP16's 192, become 64 wide)."""
-    def fit(c: KernelConfig) -> KernelConfig:
-        return c if inter % c.block_k == 0 else replace(c, block_k=64)
-    base = MoEConfig("direct", tt.DIRECT_BLOCK_M, kc(DIRECT_S1[0]), fit(kc(DIRECT_S2[0])), "ptx", pdl=True)
+    """The direct path with pdl: DIRECT_S1 x the first stage 2, the first stage 1 x DIRECT_S2."""
+    base = MoEConfig("direct", tt.DIRECT_BLOCK_M, kc(DIRECT_S1[0]), _fit_k(kc(DIRECT_S2[0]), inter), "ptx", pdl=True)
     s1 = [replace(base, stage1=kc(c)) for c in DIRECT_S1[:n]]
-    s2 = [replace(base, stage2=fit(kc(c))) for c in DIRECT_S2[:n]]
+    s2 = [replace(base, stage2=_fit_k(kc(c), inter)) for c in DIRECT_S2[:n]]
     s1 = [c for c in s1 if valid(c, hidden, inter)]
     s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
     return {("direct", tt.DIRECT_BLOCK_M): (s1, s2, s1[0])} if s1 and s2 else {}
@@ -158,7 +160,7 @@ def _tail_candidates(base_h: MoEConfig, bm: int, hidden: int, inter: int, n: int
     s2_tiles = _winners_first(ALIGNED_S2, TAIL_S2_WINNERS)[:n]
     s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(s2_tiles, (True, False))]
     s2 += [replace(base, stage2=kc(c), stage2_block_m=None) for c in s2_tiles]
-    s2 = [c if inter % c.stage2.block_k == 0 else replace(c, stage2=replace(c.stage2, block_k=64)) for c in s2]
+    s2 = [replace(c, stage2=_fit_k(c.stage2, inter)) for c in s2]
     s1 = [c for c in s1 if valid(c, hidden, inter)]
     s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
     return {("aligned", bm): (s1, s2, base if valid(base, hidden, inter) else s1[0])} if s1 and s2 else {}
