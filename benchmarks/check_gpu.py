@@ -246,10 +246,12 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
                     chk.record(diff > MIN_ACT_DIFFERENCE, check="silu!=situ", tokens=t, fmt=fmt, variant=label,
                                rel_diff=diff)
 
-    # Expert parallelism: odd experts live on another rank (3 tokens: the table's small-batch path).
+    # Expert parallelism: odd experts live on another rank (3 tokens: the table's small-batch path;
+    # 16 tokens and "aligned" at 3: the one-launch alignment; 64: the four-launch one).
     emap = torch.arange(e, device=dev, dtype=torch.int32)
     emap[1::2] = -1
-    for t, label, opts in ((3, "default", {}), (64, "default", {}),
+    for t, label, opts in ((3, "default", {}), (16, "default", {}), (64, "default", {}),
+                           (3, "aligned", {"config": heuristic_config(h, i, 64, is_cuda=dev == "cuda")}),
                            (64, "gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")})):
         hidden = random_hidden(t, h, dev, gen)
         weights, ids = random_routing(t, e, topk, dev, gen)

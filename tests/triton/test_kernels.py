@@ -7,7 +7,7 @@ import triton.language as tl
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.triton import layout
 from kimi_k3_moe.kernels.triton._details.decode import pair_order
-from kimi_k3_moe.kernels.triton.alignment import align_launches
+from kimi_k3_moe.kernels.triton import alignment
 from kimi_k3_moe.kernels.triton.probe import decode_rows
 
 import triton_problems as _data
@@ -41,24 +41,46 @@ def test_bits_decoder_matches_the_format(fmt, pairs, gen):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("small", [True, False])  # one launch, or four
+@pytest.mark.parametrize("block_ms", [(16,), (32, 16)])
 @pytest.mark.parametrize("with_map", [False, True])
-def test_alignment_groups_every_pair_once(with_map, gen):
-    tokens, e, topk, block_m = 9, 6, 3, 16
+def test_alignment_groups_every_pair_once(with_map, block_ms, small, gen, monkeypatch):
+    tokens, e, topk = 37, 6, 3
+    if not small:
+        monkeypatch.setattr(alignment, "SMALL_PAIRS", 0)
     _, ids = _data.routing(gen, tokens, e, topk)
     emap = None
     if with_map:
         emap = torch.full((e,), -1, dtype=torch.int32)
         local = torch.randperm(e, generator=gen)[:4]
         emap[local] = torch.arange(4, dtype=torch.int32)
-    pairs, launches = align_launches(ids, emap, e if emap is None else 4, block_m)
-    for _ in range(2):  # replayable: a second run (as a CUDA graph replay would) gives the same rows
-        for launch in launches:
-            launch()
+    aligned, launches = alignment.align_launches(ids, emap, e if emap is None else 4, block_ms)
+    assert [x.block_m for x in aligned] == list(block_ms) and len(launches) == (1 if small else 4)
     flat = ids.reshape(-1).long()
     want_local = flat if emap is None else emap[flat].long()
+    for _ in range(2):  # replayable: a second run (as a CUDA graph replay would) gives the same rows
+        for x in aligned:
+            x.sorted_pairs.fill_(-7)  # poisoned: every row must be written
+        for launch in launches:
+            launch()
+        for x in aligned:
+            _check_aligned(x, flat, want_local)
+    if len(aligned) == 2:  # one slot per pair: its place among its expert's rows is the same in both
+        slots = [_slots(x, flat.numel()) for x in aligned]
+        assert slots[0] == slots[1]
+
+
+def _slots(pairs, num_pairs):
+    rows = pairs.sorted_pairs[:int(pairs.num_rows.item())].tolist()
+    return {p: r - pairs.offsets[pairs.local[p]].item() for r, p in enumerate(rows) if p < num_pairs}
+
+
+def _check_aligned(pairs, flat, want_local):
+    block_m = pairs.block_m
     assert torch.equal(pairs.local.long(), want_local)
     counts = torch.bincount(want_local[want_local >= 0], minlength=pairs.offsets.numel())
     padded = (counts + block_m - 1) // block_m * block_m
+    assert torch.equal(pairs.offsets.long(), torch.cumsum(padded, 0) - padded)
     num_rows = int(pairs.num_rows.item())
     assert num_rows == int(padded.sum()) and num_rows <= pairs.max_rows
     rows = pairs.sorted_pairs[:num_rows].long()

@@ -10,6 +10,9 @@ from kimi_k3_moe.kernels.triton._details import align_kernels as K
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 
 BLOCK = 256
+# up to this many pairs (16 tokens at top-16) one program aligns them in one launch instead of four
+SMALL_PAIRS = 256
+SMALL_WARPS = 8
 
 
 @dataclass
@@ -50,39 +53,68 @@ def direct_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, block_
 
 
 def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
-                   block_m: int) -> tuple[AlignedPairs, list[Launch]]:
+                   block_ms: tuple[int, ...]) -> tuple[list[AlignedPairs], list[Launch]]:
+    """The pairs aligned to each of one or two block sizes (an AlignedPairs each, in that order) and
+    the launches that do it: one up to SMALL_PAIRS pairs, else four; both block sizes share the
+    counts and each pair's slot."""
+    if not 1 <= len(block_ms) <= 2:
+        raise ValueError(f"alignment takes one or two block sizes, got {block_ms}")
     ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
     device = ids.device
-    max_blocks = max_blocks_for(num_pairs, num_experts, block_m)
     scratch = torch.empty(2 * num_experts, dtype=torch.int32, device=device)
     counts, fill = scratch[:num_experts], scratch[num_experts:]
-    pairs = AlignedPairs(
-        block_m=block_m, num_pairs=num_pairs, max_blocks=max_blocks,
-        local=torch.empty(num_pairs, dtype=torch.int32, device=device),
-        sorted_pairs=torch.empty(max_blocks * block_m, dtype=torch.int32, device=device),
-        block_expert=torch.empty(max_blocks, dtype=torch.int32, device=device),
-        num_rows=torch.empty(1, dtype=torch.int32, device=device),
-        offsets=torch.empty(num_experts, dtype=torch.int32, device=device),
-    )
+    local = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    out = [_aligned_buffers(num_pairs, num_experts, bm, local) for bm in block_ms]
+    a, b = out[0], out[-1]
+    two = len(out) == 2
+    if num_pairs <= SMALL_PAIRS:
+        return out, [_small_launch(ids, expert_map, local, counts, fill, a, b, two)]
     grid = (max(1, cdiv(num_pairs, BLOCK)),)
     launches = [
         Launch(K.align_zero_kernel, (cdiv(scratch.numel(), 1024),),
                dict(ptr=scratch, n=scratch.numel(), BLOCK=1024, PDL=False),
                num_warps=4, num_stages=1, label="align.zero"),
         Launch(K.align_count_kernel, grid, dict(
-            ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=pairs.local,
-            counts_ptr=counts, sorted_ptr=pairs.sorted_pairs, num_pairs=num_pairs,
-            max_rows=pairs.max_rows, HAS_MAP=expert_map is not None, BLOCK=BLOCK, PDL=False),
-            num_warps=4, num_stages=1, label="align.count"),
+            ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local,
+            counts_ptr=counts, sorted_ptr=a.sorted_pairs, sorted_b_ptr=b.sorted_pairs, num_pairs=num_pairs,
+            max_rows=a.max_rows, max_rows_b=b.max_rows, HAS_MAP=expert_map is not None, TWO=two, BLOCK=BLOCK,
+            PDL=False), num_warps=4, num_stages=1, label="align.count"),
         Launch(K.align_offsets_kernel, (1,), dict(
-            counts_ptr=counts, offsets_ptr=pairs.offsets, num_rows_ptr=pairs.num_rows,
-            num_experts=num_experts, BLOCK_M=block_m, E_POW2=max(16, next_pow2(num_experts)), PDL=False),
+            counts_ptr=counts, offsets_ptr=a.offsets, num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets,
+            num_rows_b_ptr=b.num_rows, num_experts=num_experts, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, TWO=two,
+            E_POW2=max(16, next_pow2(num_experts)), PDL=False),
             num_warps=4, num_stages=1, label="align.offsets"),
         Launch(K.align_scatter_kernel, grid, dict(
-            local_ptr=pairs.local, offsets_ptr=pairs.offsets, fill_ptr=fill,
-            sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
-            num_pairs=num_pairs, BLOCK_M=block_m, BLOCK=BLOCK, PDL=False),
+            local_ptr=local, fill_ptr=fill, offsets_ptr=a.offsets, sorted_ptr=a.sorted_pairs,
+            block_expert_ptr=a.block_expert, offsets_b_ptr=b.offsets, sorted_b_ptr=b.sorted_pairs,
+            block_expert_b_ptr=b.block_expert, num_pairs=num_pairs, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m,
+            TWO=two, BLOCK=BLOCK, PDL=False),
             num_warps=4, num_stages=1, label="align.scatter"),
     ]
-    return pairs, launches
+    return out, launches
+
+
+def _small_launch(ids, expert_map, local, counts, fill, a: AlignedPairs, b: AlignedPairs, two: bool) -> Launch:
+    num_experts = a.offsets.numel()
+    return Launch(K.align_small_kernel, (1,), dict(
+        ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local, counts_ptr=counts,
+        fill_ptr=fill, offsets_ptr=a.offsets, sorted_ptr=a.sorted_pairs, block_expert_ptr=a.block_expert,
+        num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets, sorted_b_ptr=b.sorted_pairs,
+        block_expert_b_ptr=b.block_expert, num_rows_b_ptr=b.num_rows, num_pairs=ids.numel(), max_rows=a.max_rows,
+        max_rows_b=b.max_rows, num_experts=num_experts, HAS_MAP=expert_map is not None, TWO=two,
+        BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, BLOCK=max(16, next_pow2(ids.numel())),
+        E_POW2=max(16, next_pow2(num_experts)), PDL=False),
+        num_warps=SMALL_WARPS, num_stages=1, label="align.small")
+
+
+def _aligned_buffers(num_pairs: int, num_experts: int, block_m: int, local: torch.Tensor) -> AlignedPairs:
+    max_blocks = max_blocks_for(num_pairs, num_experts, block_m)
+    device = local.device
+    return AlignedPairs(
+        block_m=block_m, num_pairs=num_pairs, max_blocks=max_blocks, local=local,
+        sorted_pairs=torch.empty(max_blocks * block_m, dtype=torch.int32, device=device),
+        block_expert=torch.empty(max_blocks, dtype=torch.int32, device=device),
+        num_rows=torch.empty(1, dtype=torch.int32, device=device),
+        offsets=torch.empty(num_experts, dtype=torch.int32, device=device),
+    )

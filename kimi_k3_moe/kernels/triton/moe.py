@@ -33,13 +33,12 @@ def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, o
                                           s2_cfg, config.decode, s2_block_k)]
     bm1, bm2 = config.block_ms
     if config.path == "direct":
-        pairs, launches = direct_pairs(topk_ids, expert_map, bm1), []
-    else:
-        pairs, launches = align_launches(topk_ids, expert_map, experts.num_experts, bm1)
-    pairs2 = pairs
-    if bm2 != bm1:  # stage 2's own row blocks over the same pairs (inter is stored per pair)
-        pairs2, align2 = align_launches(topk_ids, expert_map, experts.num_experts, bm2)
-        launches += align2
+        pairs = pairs2 = direct_pairs(topk_ids, expert_map, bm1)
+        launches = []
+    else:  # stage 2 may take row blocks of its own over the same pairs (inter is stored per pair)
+        block_ms = (bm1,) if bm2 == bm1 else (bm1, bm2)
+        (pairs, *rest), launches = align_launches(topk_ids, expert_map, experts.num_experts, block_ms)
+        pairs2 = rest[0] if rest else pairs
     x = hidden
     if s1_cfg.pairs:
         x, permute = pair_order(hidden)
