@@ -64,8 +64,11 @@ class TritonTarget:
                 return min(timed, key=lambda x: x[0])[1].config if timed else None
             b1, b2 = best(first, "s1"), best(first, "s2")
             if b1 is not None and b2 is not None:
-                out.append(self._cand(tier, replace(b1, stage2=b2.stage2, stage2_block_m=b2.stage2_block_m),
-                                      f"{tag} best s1 + best s2"))
+                combo = replace(b1, stage2=b2.stage2, stage2_block_m=b2.stage2_block_m)
+                out.append(self._cand(tier, combo, f"{tag} best s1 + best s2"))
+                if tier <= tuning_space.PDL_MAX_TOKENS and path == "aligned":
+                    out.append(self._cand(tier, replace(combo, pdl=not combo.pdl), f"{tag} best s1 + best s2 pdl "
+                                          + ("off" if combo.pdl else "on")))
         unique: dict[str, Candidate] = {}
         for c in out:  # the first label wins: the packaged config stays "packaged" when a variant equals it
             unique.setdefault(c.key, c)

@@ -18,6 +18,7 @@ from kimi_k3_moe.bench.timing import FakeClock
 from kimi_k3_moe.configs import triton_table as tt
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels import get_backend
+from kimi_k3_moe.kernels.triton import tuning_space
 from kimi_k3_moe.tune.loop import REJECTED, SKIPPED, TIMED, Candidate, tune
 from kimi_k3_moe.tune.triton_target import TritonTarget
 
@@ -166,3 +167,21 @@ def test_the_packaged_config_keeps_its_label_when_a_variant_equals_it(seed, monk
     same = [c for c in cands if c.key == variant.key]
     assert len(same) == 1 and same[0].label.endswith(" packaged"), [c.label for c in same]
     assert len({c.key for c in cands}) == len(cands)
+
+
+def test_small_tiers_try_the_best_aligned_tiles_with_pdl_toggled(seed):
+    """The H200's aligned entries at 4-64 tokens won with pdl (pair_variants runs): the tuner must be
+    able to find them, so its round 2 tries the best stage 1 + best stage 2 both ways."""
+    target = make_target(seed)
+    target.is_cuda = True  # pdl survives for_target (no GPU is run: candidates only)
+    tier = 4
+    first = TritonTarget.candidates(target, tier, {})
+    done = {c.key: {"status": TIMED, "us": 10.0 + n} for n, c in enumerate(first)}
+    cands = TritonTarget.candidates(target, tier, done)
+    toggled = [c.config for c in cands if c.label.startswith(f"T{tier} aligned bm16 best s1 + best s2 pdl ")]
+    # (the combination itself may equal a round-1 candidate and keep that one's label)
+    assert len(toggled) == 1 and replace(toggled[0], pdl=not toggled[0].pdl) in [c.config for c in cands]
+    big = min(t for t in tuning_space.TIERS if t > tuning_space.PDL_MAX_TOKENS)
+    first = TritonTarget.candidates(target, big, {})
+    done = {c.key: {"status": TIMED, "us": 10.0 + n} for n, c in enumerate(first)}
+    assert not any(" pdl " in c.label for c in TritonTarget.candidates(target, big, done))

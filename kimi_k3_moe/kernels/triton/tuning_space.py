@@ -47,6 +47,10 @@ TILES_MAX_TOKENS = 1024
 # programmatic dependent launch; the H200's winners at 1-16 tokens (2026-12-02) first
 DIRECT_S1 = [(32, 256, 4, 3, STACKED), (64, 256, 4, 3, PAIRS), (32, 128, 4, 4, STACKED)]
 DIRECT_S2 = [(64, 128, 4, 3, PAIRS, 2), (64, 64, 4, 2, PAIRS, 4), (64, 128, 4, 3, PAIRS)]
+# up to here the aligned path's best tiles are also tried with pdl toggled (the H200's aligned entries
+# at 4-64 tokens took it, 2026-12-02; at EP16 it measured slower); a GPU without it gets the same
+# config back (MoEConfig.for_target), tried once
+PDL_MAX_TOKENS = 64
 # per thread, the activations a pair-order stage 2 with n_tiles > 1 holds for all its tiles
 # (block_m x I bf16; 192 B = 48 registers: what TP8's 32-row blocks need, EP16's I = 3072 spills)
 TILES_X_BYTES_PER_THREAD = 192
