@@ -16,6 +16,7 @@ What stands in, and why:
   (`vllm._C` is missing). `KimiLinearModel.load_weights` is called unbound on
   it with the names `KimiK3ForConditionalGeneration`'s weight mapper would
   hand over (the `language_model.model.` prefix stripped).
+- `torch.cpu._is_amx_tile_supported` reports no AMX (see below).
 - `process_after_loading` runs each layer's `process_weights_after_loading`
   as vLLM's loader does; vLLM's helper of that name first re-ties the word
   embeddings of a full model, which the holder does not have.
@@ -27,6 +28,13 @@ import socket
 from pathlib import Path
 
 import torch
+
+# On a CPU with AMX, vLLM's CPU linear layers pack their weights with `vllm._C`'s
+# convert_weight_packed, which the CUDA wheel installed here does not ship (CI machines with
+# and without AMX both occur). Reporting no AMX sends them down vLLM's torch path. Only the
+# block's dense layers (router, shared experts, latent projections) take it: the routed
+# experts run our method. Set here, at import, so spawned ranks get it too.
+torch.cpu._is_amx_tile_supported = lambda: False
 
 CHECKPOINT_PREFIX = "language_model.model."
 LAYER = 1
