@@ -9,9 +9,11 @@
 #   bash benchmarks/gpu_final.sh tp16 OUT    # retune the TP16 MXFP4 entry in full, check TP16 on it
 #   bash benchmarks/gpu_final.sh retune_tp8 OUT # retune TP8 MXFP4 at 16-1024 tokens (candidate list grown),
 #                                            # check TP8, time ours and the triton_kernels peer (PEER_PATH)
+#   bash benchmarks/gpu_final.sh occupancy OUT # 4096+ tiles of which an SM runs two or more blocks
+#                                            # (tuning_space.OCCUPANCY_*), beside the table's, per launch
 # OUT holds at most 4 files per part (the device tool brings back 8).
 set -u
-PART=${1:?part2, recheck, int4bench, tp16 or retune_tp8}
+PART=${1:?part2, recheck, int4bench, tp16, retune_tp8 or occupancy}
 OUT=${2:?output folder}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -68,6 +70,10 @@ case "$PART" in
         --out "$OUT/bench_moe.json"
     step bench_peer ${PEER_S:-120} python3 benchmarks/bench_moe.py --formats "" --peers triton_kernels \
         --peer-path "${PEER_PATH:-.peer}" --out "$OUT/bench_peer.json"
+    ;;
+  occupancy)
+    step occupancy_tp8 ${OCC_S:-420} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 \
+        --tokens 4096,16384 --per-launch --out "$OUT/occupancy_tp8.json"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

@@ -19,7 +19,8 @@ import sys
 from dataclasses import replace
 
 from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
-from kimi_k3_moe.kernels.triton.tuning_space import TAIL_BLOCKS
+from kimi_k3_moe.kernels.triton.tuning_space import (OCCUPANCY_S1, OCCUPANCY_S2, PAIRS, SPLIT_STAGE2_BLOCK_M, STACKED,
+                                                      kc)
 
 
 def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 384) -> dict[str, MoEConfig]:
@@ -62,36 +63,29 @@ def _candidates(base: MoEConfig, tokens: int, hidden: int) -> dict[str, MoEConfi
     return out
 
 
-# stage-1 tiles tried on tail blocks at 4096+ (block_n, block_k, num_warps, stacked): wider N tiles
-# read each row block's activations from L2 fewer times (6 N tiles of 64 stacked rows at TP8)
-LARGE_S1 = [(64, 128, 8, True), (128, 64, 16, True), (128, 128, 16, True), (128, 64, 8, True),
-            (128, 64, 16, False), (64, 64, 8, True)]
-
-
 def _large_candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
-    """4096+ tokens: stage 1 on tail blocks with the LARGE_S1 tiles and stage 2 as in the table on
-    its own blocks (`MoEConfig.stage2_block_m`); stage 2 256 wide (not swapped on the table's
-    blocks, swapped on the tail blocks); stage 2 swapped on the tail blocks."""
-    s2 = base.stage2
+    """4096+ tokens: the table's entry with each tile of which an SM runs two or more blocks
+    (tuning_space.OCCUPANCY_S1 / _S2: stage 1 on the entry's tail blocks, stage 2 not swapped on its
+    own 128-row blocks), and the first stage-1 tile with each of the first two stage-2 tiles.
+    (The tail-block and wide stage-2 candidates timed on 2026-12-02 are in results/h200-2026-12-02-tails/.)"""
+    def s1(t):
+        return replace(base, stage1=kc(t, True))
+
+    def s2(cfg, t):
+        return replace(cfg, stage2=kc(t, False), stage2_block_m=SPLIT_STAGE2_BLOCK_M)
     out = {}
-    wide_s2 = replace(s2, block_n=256, block_k=64, num_warps=8, swap=False, pairs=False, interleave=True)
-    wide_s2_swapped = replace(wide_s2, swap=True, num_warps=16)
-    for bm in TAIL_BLOCKS.get(tokens, ()):
-        for bn, bk, w, stacked in LARGE_S1:
-            s1 = replace(base.stage1, swap=True, pairs=True, stack_gate_up=stacked, block_n=bn, block_k=bk,
-                         num_warps=w, num_stages=3)
-            tile = f"s1n{bn}k{bk}w{w}{'' if stacked else 'pairs'}"
-            out[f"bm{bm}-{tile}-s2table-bm{base.block_ms[1]}"] = replace(base, block_m=bm, stage1=s1,
-                                                                     stage2_block_m=base.block_ms[1])
-            if (bn, bk, w, stacked) == LARGE_S1[0] or (bn, bk, w, stacked) == LARGE_S1[1]:
-                out[f"bm{bm}-{tile}-s2n256w8-bm128"] = replace(base, block_m=bm, stage1=s1, stage2=wide_s2,
-                                                               stage2_block_m=128)
-                out[f"bm{bm}-{tile}-s2swap-n256w16"] = replace(base, block_m=bm, stage1=s1, stage2=wide_s2_swapped,
-                                                                stage2_block_m=None)
-                out[f"bm{bm}-{tile}-s2same"] = replace(base, block_m=bm, stage1=s1, stage2=replace(s2, swap=True),
-                                                        stage2_block_m=None)
-    out["table-s2n256w8-bm128"] = replace(base, stage2=wide_s2, stage2_block_m=128 if base.block_m != 128 else None)
+    for t in OCCUPANCY_S2:
+        out[f"s2{_tile_name(t)}"] = s2(base, t)
+    for t in OCCUPANCY_S1:
+        out[f"s1{_tile_name(t)}"] = s1(t)
+    for t in OCCUPANCY_S2[:2]:
+        out[f"s1{_tile_name(OCCUPANCY_S1[0])}-s2{_tile_name(t)}"] = s2(s1(OCCUPANCY_S1[0]), t)
     return out
+
+
+def _tile_name(t) -> str:
+    bn, bk, w, st, order = t
+    return f"n{bn}k{bk}w{w}s{st}" + {True: "", False: "words", PAIRS: "pairs", STACKED: "stacked"}[order]
 
 
 def _tp8_aligned(tokens: int, hidden: int) -> dict[str, MoEConfig]:

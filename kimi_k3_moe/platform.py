@@ -25,6 +25,22 @@ TRITON_MIN_SM = 80
 FP8_MIN_SM = 89                       # e4m3 x e4m3 MMA (sm_89, sm_90 and newer)
 PDL_MIN_SM = 90                       # programmatic dependent launch (griddepcontrol)
 _SCALED_MFMA_ARCHS = ("gfx950",)      # v_mfma_scale_f32_*_f8f6f4: fp8/fp4 operands with e8m0 scales
+LDS_PER_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}   # CDNA3 64 KiB, CDNA4 160 KiB
+SHARED_PER_BLOCK = {"sm_90": 227 * 1024, **LDS_PER_CU}     # what one block may use (H100/H200: 227 KB)
+
+
+@dataclass(frozen=True)
+class SmLimits:
+    """What one NVIDIA SM holds, for counting blocks per SM (CUDA's occupancy rules)."""
+    registers: int = 65536
+    register_unit: int = 256      # registers are given to a warp in units of 256 (8 per thread)
+    warps: int = 64
+    blocks: int = 32
+    shared: int = 228 * 1024
+    shared_reserved: int = 1024   # per block, kept by the driver
+
+
+SM_LIMITS = {"sm_90": SmLimits()}
 
 
 @dataclass(frozen=True)

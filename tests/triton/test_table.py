@@ -189,3 +189,36 @@ def test_a_quick_tune_tries_the_tail_block_winners():
             assert {ts.kc(t) for t in ts.TAIL_S1_WINNERS} <= {c.stage1 for c in s1}
             assert {(ts.kc(t, swap=False), ts.SPLIT_STAGE2_BLOCK_M) for t in ts.TAIL_S2_WINNERS} <= \
                 {(c.stage2, c.stage2_block_m) for c in s2}
+
+
+def test_a_full_tune_tries_the_tiles_that_run_two_blocks_per_sm_at_4096_plus():
+    """Every OCCUPANCY tile is in the full space at 4096+: stage 1 swapped on the tail blocks, stage 2
+    not swapped on its own 128-row blocks (tests/compile checks that an SM runs two or more of them)."""
+    from kimi_k3_moe.kernels.triton import tuning_space as ts
+    for tier, tails in ts.TAIL_BLOCKS.items():
+        for bm in tails:
+            s1, s2, _ = ts.candidates(tier, 3584, 384)[("aligned", bm)]
+            assert {ts.kc(t) for t in ts.OCCUPANCY_S1} <= {c.stage1 for c in s1}
+            assert {(ts.kc(t, swap=False), ts.SPLIT_STAGE2_BLOCK_M) for t in ts.OCCUPANCY_S2} <= \
+                {(c.stage2, c.stage2_block_m) for c in s2}
+
+
+def test_pair_variants_times_the_occupancy_tiles_beside_the_large_entries():
+    """What benchmarks/pair_variants.py times at 4096+ (gpu_final.sh occupancy): the table's entry with
+    each OCCUPANCY tile, every candidate valid for TP8 and TP16."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import pair_variants
+
+    from kimi_k3_moe.kernels.triton import tuning_space as ts
+    table = tt.load_table("nvidia_h200")
+    for inter in (384, 192):
+        for tokens in (4096, 16384):
+            base = tt.lookup("nvidia_h200", "mxfp4", 896, 3584, inter, tokens, is_cuda=True, table=table).config
+            got = pair_variants.candidates(base, tokens, inter=inter)
+            assert len(got) == len(ts.OCCUPANCY_S1) + len(ts.OCCUPANCY_S2) + 2
+            assert {ts.kc(t, True) for t in ts.OCCUPANCY_S1} <= {c.stage1 for c in got.values()}
+            assert {(ts.kc(t, False).block_n, ts.SPLIT_STAGE2_BLOCK_M) for t in ts.OCCUPANCY_S2} <= \
+                {(c.stage2.block_n, c.stage2_block_m) for c in got.values()}
+            assert all(c.validate(3584, inter) == c for c in got.values())

@@ -2,7 +2,7 @@
 
 Pure Python (no flydsl import): it reads the ELF code object FlyDSL produced,
 decodes its NT_AMDGPU_METADATA note (msgpack), counts instructions in the ISA
-text, and estimates occupancy from registers and LDS. Used by the compile
+text, and estimates occupancy from registers and LDS (platform.LDS_PER_CU). Used by the compile
 driver, the CI checks and the resource table in docs/PERF.md.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 import struct
 
-# per CU; gfx942 (CDNA3) has 64 KiB of LDS, gfx950 (CDNA4) 160 KiB
-LDS_PER_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}
+from kimi_k3_moe.platform import LDS_PER_CU
+
 MAX_WAVES_PER_SIMD = 8
 SIMDS_PER_CU = 4
 REGISTERS_PER_LANE = 512   # unified arch VGPR + AGPR file on gfx90a and later

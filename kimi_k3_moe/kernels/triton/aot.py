@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kimi_k3_moe import platform
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs.triton_table import MoEConfig
 from kimi_k3_moe.kernels.triton.launch import Launch
@@ -27,6 +28,19 @@ TARGETS = {
     "gfx942": ("hip", "gfx942", 64),
     "gfx950": ("hip", "gfx950", 64),
 }
+
+
+def blocks_per_sm(target: str, registers: int, num_warps: int, shared: int) -> int | None:
+    """How many blocks of a kernel one SM runs at once (None off NVIDIA: AMD's waves per SIMD
+    follow other rules, kernels/flydsl/artifacts.py). Two or more let one block's decode and
+    stores run beside another's MMAs; the H200's large-batch stage 2 held one (2026-12-03)."""
+    lim = platform.SM_LIMITS.get(target)
+    if lim is None:
+        return None
+    per_warp = -(-registers * 32 // lim.register_unit) * lim.register_unit
+    by_regs = lim.registers // (per_warp * num_warps) if registers else lim.blocks
+    by_shared = lim.shared // (shared + lim.shared_reserved)
+    return min(by_regs, by_shared, lim.warps // num_warps, lim.blocks)
 
 
 def meta_experts(fmt: str, num_experts: int, hidden: int, inter: int, offsets: bool = False) -> TritonExperts:
@@ -106,6 +120,7 @@ class CompileReport:
     stack: int              # stack frame / private segment bytes
     shared: int             # shared memory / LDS bytes
     seconds: float
+    blocks_per_sm: int | None = None  # NVIDIA only (blocks_per_sm)
 
     def row(self) -> dict:
         return asdict(self)
@@ -161,5 +176,6 @@ def compile_launch(launch: Launch, target: str) -> tuple[CompileReport, object]:
         stack = res["private_segment_fixed_size"]
         shared = max(md.shared, res["group_segment_fixed_size"])
     report = CompileReport(launch.name, target, launch.label, launch.num_warps, launch.num_stages, shown,
-                           md.hash, regs, sgprs, spills, stack, shared, round(seconds, 2))
+                           md.hash, regs, sgprs, spills, stack, shared, round(seconds, 2),
+                           blocks_per_sm(target, regs, launch.num_warps, shared))
     return report, compiled
