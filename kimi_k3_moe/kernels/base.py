@@ -16,13 +16,12 @@ from kimi_k3_moe.act_quant import BF16_ACTIVATIONS, ActQuant
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.experts import MXFP4_FORMAT, WeightFormat, require_format
 from kimi_k3_moe.formats import int4
+from kimi_k3_moe.kernels.spec import BackendUnavailable
 
 if TYPE_CHECKING:
     from kimi_k3_moe.kernels.spec import BackendSpec
 
-
-class BackendUnavailable(RuntimeError):
-    """A backend was asked for where it cannot run; the message says why."""
+__all__ = ["BackendUnavailable", "MoEBackend"]
 
 
 class MoEBackend(ABC):

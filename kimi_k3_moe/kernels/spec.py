@@ -16,6 +16,10 @@ from kimi_k3_moe.act_quant import BF16, ActQuant
 from kimi_k3_moe.platform import Platform
 
 
+class BackendUnavailable(RuntimeError):
+    """A backend was asked for where it cannot run; the message says why."""
+
+
 def _no_options(platform: Platform, weight_format: str) -> dict[str, Any]:
     return {}
 
@@ -57,6 +61,5 @@ class BackendSpec:
         try:
             factory = importlib.import_module(self.module).make_backend
         except (ImportError, AttributeError) as exc:
-            from kimi_k3_moe.kernels.base import BackendUnavailable
             raise BackendUnavailable(f"backend {self.name!r} is not installed here: {exc}") from exc
         return factory(**options)
