@@ -70,7 +70,7 @@ def main() -> int:
                              SimpleNamespace(weight_format=fmt, quick=quick), tiers)
         state = user_tables.table_path("triton", identity["key"]).with_suffix(f".{shape_name}.{fmt}.state.json")
         result = run_with_progress(target, SITU, GraphTimer(reps=args.reps), budget, state, seed=1234 + n)
-        user, _ = user_tables.load("triton", identity)
+        user, _ = user_tables.load(tt.USER_TABLE, identity)
         table["entries"][result["key"]] = user["entries"][result["key"]]
         write_json(out_path, table)
         write_json(str(state.with_suffix(".log.json")), result["outcomes"])

@@ -123,3 +123,9 @@ def _forced_plan(platform: Platform, forced: str) -> list[BackendChoice]:
         raise BackendUnavailable(f"{ENV_BACKEND}={forced}, but {spec.runs_on(platform, platform.weight_format)[1]}")
     # not planned here, but it may still run (the Triton interpreter on a CPU): its `available` says
     return [BackendChoice(forced, {}, f"forced by {ENV_BACKEND}")]
+
+
+def serving_table(backend: str) -> str | None:
+    """Which tile table serves `backend` (a name or a description, "triton[mxfp4]") here: a user table
+    from `kimi-k3-moe tune` or the packaged one, and why; None for a backend that reads no tiles."""
+    return get_spec(backend.split("[")[0]).table_line()

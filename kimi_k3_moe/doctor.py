@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tables_line(backend: str) -> str:
-    from kimi_k3_moe.configs import user_tables
-    line = user_tables.serving(backend)
+    from kimi_k3_moe.dispatch import serving_table
+    line = serving_table(backend)
     return f"tiles: {line}" if line else f"tiles: none ({backend} has no tile table)"
 
 

@@ -13,13 +13,13 @@ which is valid for every T too. Plain Python: importing this needs no triton.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 from kimi_k3_moe.configs import user_tables
+from kimi_k3_moe.configs.user_tables import device_key  # noqa: F401  (the packaged tables' file names)
 
 PATHS = ("gemv", "aligned", "direct")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
@@ -171,11 +171,6 @@ class Lookup:
     source: str  # "table <file> tier <t>" or "heuristic"
 
 
-def device_key(name: str) -> str:
-    """'NVIDIA H200' -> 'nvidia_h200'; 'AMD Instinct MI300X' -> 'amd_instinct_mi300x'."""
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-
-
 def shape_key(fmt: str, num_experts: int, n: int, k: int) -> str:
     """Table key of a layer: weight format and stage-1 shape (E experts, N = 2I, K = H)."""
     return f"{fmt}/E{num_experts}_N{n}_K{k}"
@@ -199,6 +194,31 @@ def load_table(dev_key: str) -> dict | None:
 
 def tiers_of(entry: dict) -> list[int]:
     return sorted(int(t) for t in entry["tiers"])
+
+
+def _check_user_entry(key: str, entry: dict) -> None:
+    n, k = (int(p[1:]) for p in key.split("/")[1].split("_")[1:3])
+    for cfg in entry["tiers"].values():
+        MoEConfig.from_json(cfg).validate(k, n // 2)
+
+
+def _user_tiers(entry: dict) -> list[int]:
+    rows = entry.get("tiers") if isinstance(entry, dict) else None
+    return [int(t) for t in rows] if isinstance(rows, dict) else []
+
+
+# what `kimi-k3-moe tune` writes for this backend (configs/user_tables.py reads and checks it)
+USER_TABLE = user_tables.TableKind("triton", _user_tiers, _check_user_entry)
+
+
+def _user_entry(dev_key: str, fmt: str, num_experts: int, n: int, k: int):
+    """((key, entry), origin) of a user table for exactly this shape on this device, else None."""
+    identity = user_tables.device_identity()
+    if identity["key"] != dev_key:
+        return None
+    key = shape_key(fmt, num_experts, n, k)
+    found = user_tables.entry(USER_TABLE, key, identity)
+    return None if found is None else ((key, found[0]), found[1])
 
 
 def pick_tier(tiers: list[int], num_tokens: int) -> int:
@@ -228,7 +248,7 @@ def lookup(dev_key: str, fmt: str, num_experts: int, hidden: int, inter: int, nu
            *, is_cuda: bool, table: dict | None = None) -> Lookup:
     """The config for `num_tokens` tokens; valid for every num_tokens >= 0."""
     # a valid user table (kimi-k3-moe tune) for exactly this device and shape comes first
-    user = user_tables.triton_entry(dev_key, fmt, num_experts, 2 * inter, hidden) if table is None else None
+    user = _user_entry(dev_key, fmt, num_experts, 2 * inter, hidden) if table is None else None
     if user is not None:
         found, origin = user
     else:

@@ -6,6 +6,9 @@ measured: the same device name, arch and driver/ROCm version, written by the
 same package version, for the exact layer shape, with every token tier it
 declares. Anything else (corrupt JSON, another device, another version, a
 missing tier) is refused with a one-line message and the packaged table serves.
+What an entry holds is the backend's business: each tabled backend declares a
+`TableKind` beside its own tables (configs/triton_table.py, kernels/flydsl/tiles.py)
+and names it in its `BackendSpec`, so this module knows no backend.
 Plain Python: importing this imports no GPU toolkit.
 """
 from __future__ import annotations
@@ -13,7 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -23,7 +29,6 @@ SCHEMA = "kimi-k3-moe/user-table"
 FORMAT_VERSION = 1
 ENV_DIR = settings.TABLES
 INTERPRETER = "interpreter"
-TABLED_BACKENDS = ("triton", "flydsl")  # the backends whose tiles come from tables
 
 log = logging.getLogger("kimi_k3_moe")
 _messages: dict[str, str] = {}  # path -> why it was refused (doctor shows these)
@@ -31,6 +36,20 @@ _messages: dict[str, str] = {}  # path -> why it was refused (doctor shows these
 
 class UserTableError(ValueError):
     """A user table that must not serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class TableKind:
+    """How one backend's user-table entries read."""
+    backend: str
+    tiers_of: Callable[[dict], list]        # an entry -> the token tiers it holds
+    check: Callable[[str, dict], None]      # (key, entry) -> None; raises ValueError, KeyError, TypeError
+                                            # or IndexError on a config its backend cannot run
+
+
+def device_key(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia_h200'; 'AMD Instinct MI300X' -> 'amd_instinct_mi300x'."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def table_dir(env=None) -> Path:
@@ -63,8 +82,6 @@ def _driver_version() -> str:
 def device_identity(device: int = 0) -> dict:
     """What a table is valid for: device name, its key, arch, driver/ROCm version."""
     import torch
-
-    from kimi_k3_moe.configs.triton_table import device_key
     if not torch.cuda.is_available():
         return {"name": INTERPRETER, "key": INTERPRETER, "arch": INTERPRETER, "driver": "none"}
     props = torch.cuda.get_device_properties(device)
@@ -75,13 +92,10 @@ def device_identity(device: int = 0) -> dict:
     return {"name": props.name, "key": device_key(props.name), "arch": arch, "driver": _driver_version()}
 
 
-def flydsl_shape_key(fmt: str, hidden: int, inter: int, top_k: int) -> str:
-    return f"{fmt}/N{2 * inter}_K{hidden}_top{top_k}"
-
-
 # ---------------------------------------------------------------- validation
-def validate(table: dict, *, backend: str, identity: dict, path: Path | str = "table") -> dict:
+def validate(table: dict, *, kind: TableKind, identity: dict, path: Path | str = "table") -> dict:
     """`table` if it may serve here, else UserTableError naming the first reason."""
+    backend = kind.backend
     if not isinstance(table, dict) or table.get("schema") != SCHEMA:
         raise UserTableError(f"user table {path}: not a kimi-k3-moe user table (schema {table.get('schema')!r})"
                              if isinstance(table, dict) else f"user table {path}: not a JSON object")
@@ -107,52 +121,28 @@ def validate(table: dict, *, backend: str, identity: dict, path: Path | str = "t
         raise UserTableError(f"user table {path}: no tiers or no entries")
     for key, entry in entries.items():
         try:
-            have = _entry_tiers(backend, entry)
+            have = kind.tiers_of(entry)
         except (ValueError, TypeError) as exc:
             raise UserTableError(f"user table {path}: entry {key} holds an invalid token tier: {exc}") from None
         missing = [t for t in tiers if t not in have]
         if missing:
             raise UserTableError(f"user table {path}: entry {key} lacks token tiers {missing}")
-        _check_configs(backend, key, entry, path)
+        try:
+            kind.check(key, entry)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise UserTableError(f"user table {path}: entry {key} holds an invalid config: {exc}") from None
     return table
-
-
-def _entry_tiers(backend: str, entry: dict) -> list[int]:
-    rows = entry.get("tiers") if isinstance(entry, dict) else None
-    if backend == "triton" and isinstance(rows, dict):
-        return [int(t) for t in rows]
-    if backend == "flydsl" and isinstance(rows, list):
-        return [r.get("tuned_at_tokens") for r in rows if isinstance(r, dict)]
-    return []
-
-
-def _check_configs(backend: str, key: str, entry: dict, path) -> None:
-    try:
-        if backend == "triton":
-            from kimi_k3_moe.configs.triton_table import MoEConfig
-            n, k = (int(p[1:]) for p in key.split("/")[1].split("_")[1:3])
-            for tier, cfg in entry["tiers"].items():
-                MoEConfig.from_json(cfg).validate(k, n // 2)
-        else:
-            from kimi_k3_moe.kernels.flydsl.tiles import load_table
-            load_table({"gfx950": [_flydsl_row(r) for r in entry["tiers"]]})
-    except (ValueError, KeyError, TypeError, IndexError) as exc:
-        raise UserTableError(f"user table {path}: entry {key} holds an invalid config: {exc}") from None
-
-
-def _flydsl_row(r: dict) -> dict:
-    return {k: r[k] for k in ("max_tokens", "BM", "stage1", "stage2")}
 
 
 # ---------------------------------------------------------------- reading
 @lru_cache(maxsize=None)
-def _load(backend: str, path_text: str, identity_json: str) -> dict | None:
+def _load(kind: TableKind, path_text: str, identity_json: str) -> dict | None:
     path = Path(path_text)
     if not path.is_file():
         return None
     try:
         table = json.loads(path.read_text())
-        table = validate(table, backend=backend, identity=json.loads(identity_json), path=path)
+        table = validate(table, kind=kind, identity=json.loads(identity_json), path=path)
     except (OSError, json.JSONDecodeError) as exc:
         why = f"user table {path}: unreadable or not valid JSON ({exc})"
     except UserTableError as exc:
@@ -165,51 +155,28 @@ def _load(backend: str, path_text: str, identity_json: str) -> dict | None:
     return None
 
 
-def load(backend: str, identity: dict | None = None) -> tuple[dict | None, Path]:
+def load(kind: TableKind, identity: dict | None = None) -> tuple[dict | None, Path]:
     """(the valid user table for this device, or None; its path)."""
     identity = identity or device_identity()
-    path = table_path(backend, identity["key"])
-    return _load(backend, str(path), json.dumps(identity, sort_keys=True)), path
+    path = table_path(kind.backend, identity["key"])
+    return _load(kind, str(path), json.dumps(identity, sort_keys=True)), path
 
 
-def triton_entry(dev_key: str, fmt: str, num_experts: int, n: int, k: int):
-    """((key, entry), origin) of a user table for exactly this shape on this device, else None."""
-    identity = device_identity()
-    if identity["key"] != dev_key:
-        return None
-    from kimi_k3_moe.configs.triton_table import shape_key
-    table, path = load("triton", identity)
-    key = shape_key(fmt, num_experts, n, k)
+def entry(kind: TableKind, key: str, identity: dict | None = None) -> tuple[dict, str] | None:
+    """(entry `key` of this device's valid user table, where it came from), else None."""
+    table, path = load(kind, identity)
     if table is None or key not in table["entries"]:
         return None
-    return (key, table["entries"][key]), f"user table {path}"
+    return table["entries"][key], f"user table {path}"
 
 
-def flydsl_tiers(arch: str, fmt: str, hidden: int, inter: int, top_k: int):
-    """{arch: tiers} from a user table for this exact shape on this GPU, else None."""
-    table, path = load("flydsl")
-    if table is None or table.get("target_arch") != arch:
-        return None
-    entry = table["entries"].get(flydsl_shape_key(fmt, hidden, inter, top_k))
-    if entry is None:
-        return None
-    from kimi_k3_moe.kernels.flydsl.tiles import load_table
-    return load_table({arch: [_flydsl_row(r) for r in entry["tiers"]]})
-
-
-def describe(backend: str) -> str:
+def describe(kind: TableKind) -> str:
     """One line for doctor and the plugin's log: which table serves and from where."""
-    table, path = load(backend)
+    table, path = load(kind)
     if table is not None:
         return f"user table {path} (tuned {table.get('written', '?')}, {len(table['entries'])} shape(s))"
     why = _messages.get(str(path))
     return f"packaged table ({why})" if why else f"packaged table (no user table at {path})"
-
-
-def serving(backend: str) -> str | None:
-    """`describe` for a backend's name or description ("triton[mxfp4]"); None when it reads no tile table."""
-    name = backend.split("[")[0]
-    return describe(name) if name in TABLED_BACKENDS else None
 
 
 def clear_cache() -> None:
@@ -219,21 +186,22 @@ def clear_cache() -> None:
 
 
 # ---------------------------------------------------------------- writing
-def write(backend: str, identity: dict, tiers: list[int], entries: dict, *, extra: dict | None = None,
+def write(kind: TableKind, identity: dict, tiers: list[int], entries: dict, *, extra: dict | None = None,
           env=None) -> Path:
-    """Write (replace) this device's user table for `backend`; entries of other shapes are kept."""
+    """Write (replace) this device's user table for `kind.backend`; entries of other shapes are kept."""
+    backend = kind.backend
     path = table_path(backend, identity["key"], env)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = {}
     try:
-        old = validate(json.loads(path.read_text()), backend=backend, identity=identity, path=path)["entries"]
-        old = {k: e for k, e in old.items() if set(tiers) <= set(_entry_tiers(backend, e))}
+        old = validate(json.loads(path.read_text()), kind=kind, identity=identity, path=path)["entries"]
+        old = {k: e for k, e in old.items() if set(tiers) <= set(kind.tiers_of(e))}
     except (OSError, ValueError):
         pass
     table = {"schema": SCHEMA, "format_version": FORMAT_VERSION, "backend": backend, "device": identity,
              "package_version": __version__, "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
              "tiers": list(tiers), "entries": {**old, **entries}, **(extra or {})}
-    validate(table, backend=backend, identity=identity, path=path)
+    validate(table, kind=kind, identity=identity, path=path)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table, indent=1))
     tmp.replace(path)  # atomic: a reader never sees half a table

@@ -44,6 +44,7 @@ class BackendSpec:
     self_checked: bool = True   # False: the reference's own arithmetic, nothing to check against
     emulates: bool = False      # True: computes whatever activation scheme it is given (a fallback)
     arch_bound: bool = False    # True: built for one arch; cannot even be made where `runs_on` says no
+    user_table: str | None = None  # the module whose USER_TABLE (user_tables.TableKind) `tune` writes; None: no tiles
 
     def supports(self, platform: Platform, weight_format: str, act_dtype: str = BF16) -> tuple[bool, str]:
         """(whether this backend serves `weight_format` with `act_dtype` activations on `platform`, why)."""
@@ -63,3 +64,14 @@ class BackendSpec:
         except (ImportError, AttributeError) as exc:
             raise BackendUnavailable(f"backend {self.name!r} is not installed here: {exc}") from exc
         return factory(**options)
+
+    def table_kind(self) -> Any:
+        """The user_tables.TableKind of this backend's tuned tiles (its module is imported here)."""
+        if self.user_table is None:
+            raise ValueError(f"the {self.name} backend reads no tile table")
+        return importlib.import_module(self.user_table).USER_TABLE
+
+    def table_line(self) -> str | None:
+        """Which tile table serves this backend here (doctor, the plugin's log); None: it reads none."""
+        from kimi_k3_moe.configs import user_tables
+        return user_tables.describe(self.table_kind()) if self.user_table else None

@@ -95,9 +95,9 @@ def log_serving_once(engine: str, backend: str, activation: ActivationSpec) -> N
 
 def _table_line(backend: str) -> str | None:
     """Which tile table serves `backend` ("triton[mxfp4]" -> the triton tables); None: it has none."""
-    from kimi_k3_moe.configs import user_tables
+    from kimi_k3_moe.dispatch import serving_table
     try:
-        return user_tables.serving(backend)
+        return serving_table(backend)
     except Exception as exc:  # the log line must never stop serving
         return f"packaged table (user table not checked: {type(exc).__name__})"
 

@@ -7,7 +7,7 @@ import time
 
 from kimi_k3_moe.bench.shapes import add_shape_arguments
 from kimi_k3_moe.cli import count_list, positive_float, positive_int
-from kimi_k3_moe.configs.user_tables import TABLED_BACKENDS
+from kimi_k3_moe.kernels import SPECS
 
 HELP = ("tune the kernels' tiles on this GPU for one per-rank shape (each candidate checked against the "
         "reference, then timed) and write a user table that dispatch reads")
@@ -17,7 +17,7 @@ CANNOT_RUN_HERE = (RuntimeError, ValueError, ImportError)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=TABLED_BACKENDS, default=None,
+    parser.add_argument("--backend", choices=[s.name for s in SPECS if s.user_table], default=None,
                         help="default: flydsl on AMD, triton on NVIDIA")
     add_shape_arguments(parser)
     parser.add_argument("--format", dest="weight_format", choices=("mxfp4", "int4"), default="mxfp4",

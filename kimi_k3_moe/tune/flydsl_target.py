@@ -14,7 +14,6 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels.flydsl import pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.tiles import Tier
@@ -137,7 +136,7 @@ class FlyDSLTarget:
                          "stage1": cfg["stage1"], "stage2": cfg["stage2"], "tuned_at_tokens": tier,
                          **{k: v for k, v in info.items() if k != "config"}})
         s = self.shape
-        return user_tables.flydsl_shape_key(self.fmt, s.hidden, s.inter, s.topk), {"tiers": rows}
+        return tiles.shape_key(self.fmt, s.hidden, s.inter, s.topk), {"tiers": rows}
 
 
 def _tag(tile: dict) -> str:

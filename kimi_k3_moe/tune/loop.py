@@ -93,6 +93,7 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
          seed: int, clock: Callable[[], float] = time.monotonic, progress=None) -> dict:
     """Run the loop; returns {"path": table written, "tiers": {tier: summary}, "state": ..}."""
     from kimi_k3_moe.configs import user_tables
+    from kimi_k3_moe.kernels import get_spec
     shape = target.shape
     fingerprint = {"backend": target.backend, "device": target.identity, "package": __version__,
                    "shape": shape.to_json(), "activation": str(activation),
@@ -165,7 +166,7 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
             chosen[tier] = (None, {"tuned": False, "note": "budget ran out" if tier_out_of_time
                                    else "no candidate passed", **target.packaged(tier)})
     key, entry = target.entries(chosen)
-    path = user_tables.write(target.backend, target.identity, tiers, {key: entry},
+    path = user_tables.write(get_spec(target.backend).table_kind(), target.identity, tiers, {key: entry},
                              extra=target.table_extra())
     return {"path": str(path), "key": key, "resumed": state.resumed, "out_of_time": out_of_time,
             "tiers": {t: info for t, (c, info) in chosen.items()},

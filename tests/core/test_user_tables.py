@@ -32,12 +32,12 @@ def test_default_folder_is_under_the_xdg_cache():
 
 
 def test_a_valid_table_serves_its_exact_shape_only(tables):
-    path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries(block_m=32))
+    path = user_tables.write(tt.USER_TABLE, user_tables.device_identity(), TIERS, triton_entries(block_m=32))
     found = lookup()
     assert found.source == f"user table {path} mxfp4/E{E}_N{2 * I}_K{H} tier 4" and found.config.block_m == 32
     other = tt.lookup("interpreter", "mxfp4", E + 8, H, I, 3, is_cuda=False)  # another expert count
     assert not other.source.startswith("user table")
-    assert user_tables.describe("triton").startswith(f"user table {path}")
+    assert user_tables.describe(tt.USER_TABLE).startswith(f"user table {path}")
 
 
 def rewrite(path, **changes):
@@ -64,7 +64,7 @@ def rewrite(path, **changes):
     ("device_not_object", "device 'NVIDIA H200' is not a JSON object"),
 ])
 def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, damage, message):
-    path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries())
+    path = user_tables.write(tt.USER_TABLE, user_tables.device_identity(), TIERS, triton_entries())
     if damage == "corrupt":
         path.write_text(path.read_text()[:-40])
     elif damage == "device":
@@ -92,7 +92,7 @@ def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, da
     assert not found.source.startswith("user table")  # the packaged rule serves
     assert message in caplog.text and str(path) in caplog.text and "the packaged table serves" in caplog.text
     assert len([r for r in caplog.records if "user table" in r.getMessage()]) == 1  # once, not per lookup
-    assert user_tables.describe("triton").startswith("packaged table (") and message in user_tables.describe("triton")
+    assert user_tables.describe(tt.USER_TABLE).startswith("packaged table (") and message in user_tables.describe(tt.USER_TABLE)
     assert __version__
 
 
@@ -101,8 +101,8 @@ def test_flydsl_user_table_is_read_by_the_tile_lookup_for_its_arch_and_shape(tab
              "stage2": {"waves": 2, "n_rep": 2, "kb_unroll": 1, "a_lds": False}, "tuned_at_tokens": 4},
             {"max_tokens": None, "BM": 64, "stage1": {"waves": 4, "n_rep": 1, "kb_unroll": 1, "a_lds": False},
              "stage2": {"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": False}, "tuned_at_tokens": 16}]
-    key = user_tables.flydsl_shape_key("int4", H, 128, 4)
-    user_tables.write("flydsl", user_tables.device_identity(), [4, 16], {key: {"tiers": rows}},
+    key = tiles.shape_key("int4", H, 128, 4)
+    user_tables.write(tiles.USER_TABLE, user_tables.device_identity(), [4, 16], {key: {"tiers": rows}},
                       extra={"target_arch": "gfx942"})
     situ = ActivationSpec.situv2(4.0, 25.0)
     s1, s2 = tiles.stage_configs("gfx942", "int4", hidden=H, inter=128, top_k=4, num_tokens=3, activation=situ)
@@ -120,7 +120,7 @@ def test_doctor_and_the_plugin_log_line_name_the_serving_table(tables):
     from kimi_k3_moe import doctor
     from kimi_k3_moe.plugin_entrypoints import common
     assert common._table_line("triton[mxfp4]").startswith("packaged table (no user table at ")
-    path = user_tables.write("triton", user_tables.device_identity(), TIERS, triton_entries())
+    path = user_tables.write(tt.USER_TABLE, user_tables.device_identity(), TIERS, triton_entries())
     assert common._table_line("triton[mxfp4]").startswith(f"user table {path}")
     assert doctor._tables_line("triton").startswith(f"tiles: user table {path}")
     assert common._table_line("torch[mxfp4]") is None  # its log line stays as it was
@@ -135,3 +135,18 @@ def test_a_tables_setting_that_names_a_file_is_refused_and_doctor_lists_it(tmp_p
         user_tables.table_dir(env)
     assert settings.check_all(env) == [f"KIMI_K3_MOE_TABLES={a_file} exists and is not a folder"]
     assert user_tables.table_dir({"KIMI_K3_MOE_TABLES": str(tmp_path / "new")}) == tmp_path / "new"  # tune creates it
+
+
+def test_each_tabled_backend_declares_its_table_kind_and_others_none(tables):
+    """user_tables knows no backend: a backend's spec names the TableKind beside its own tables."""
+    from kimi_k3_moe import dispatch
+    from kimi_k3_moe.kernels import SPECS
+    kinds = {s.name: s.table_kind() for s in SPECS if s.user_table}
+    assert kinds == {"triton": tt.USER_TABLE, "flydsl": tiles.USER_TABLE}
+    assert all(k.backend == name for name, k in kinds.items())
+    for spec in SPECS:
+        line = dispatch.serving_table(f"{spec.name}[mxfp4]")
+        assert (line is None) == (spec.user_table is None)
+        if spec.user_table is None:
+            with pytest.raises(ValueError, match=f"the {spec.name} backend reads no tile table"):
+                spec.table_kind()

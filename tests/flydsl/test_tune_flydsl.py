@@ -93,7 +93,7 @@ def test_flydsl_tune_loop_against_compile_only_builds(tables, gen, seed):
         s1, s2 = tiles.stage_configs("gfx942", "int4", hidden=SHAPE.hidden, inter=SHAPE.inter, top_k=SHAPE.topk,
                                      num_tokens=t, activation=SITU)
         assert s1.BM == winner[t].BM
-    assert user_tables.describe("flydsl").startswith("user table ")
+    assert user_tables.describe(tiles.USER_TABLE).startswith("user table ")
     # resume: nothing is compiled, run or timed again
     calls = []
     again = Rigged(SHAPE, layer, SITU, arch="gfx942", identity=identity, launch=emulator.launch,

@@ -76,7 +76,7 @@ def test_tune_skips_rejects_writes_and_dispatch_reads_back_then_resumes(tables, 
     found = be.lookup(prepared, 3)
     assert found.source.startswith(f"user table {user_tables.table_path('triton', 'interpreter')}"), found.source
     assert found.source.endswith("tier 4")
-    assert user_tables.describe("triton").startswith("user table ")
+    assert user_tables.describe(tt.USER_TABLE).startswith("user table ")
 
     # resume: a second run measures nothing again
     calls = []
@@ -93,7 +93,7 @@ def test_budget_zero_leaves_packaged_configs_marked_untuned(tables, seed):
     result = tune(target, SITU, FakeClock(fake_time), budget_s=-1, state_path=tables / "s.json", device="cpu",
                   seed=seed)
     assert result["out_of_time"]
-    table, _ = user_tables.load("triton")
+    table, _ = user_tables.load(tt.USER_TABLE)
     entry = table["entries"][result["key"]]
     for tier in TIERS:
         row = entry["tiers"][str(tier)]

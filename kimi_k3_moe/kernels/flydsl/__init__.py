@@ -49,7 +49,8 @@ def _act_dtypes(platform, weight_format):
 
 
 SPEC = BackendSpec("flydsl", __name__, _runs_on, act_dtypes=_act_dtypes, arch_bound=True,
-                   options=lambda platform, weight_format: {"arch": platform.arch})
+                   options=lambda platform, weight_format: {"arch": platform.arch},
+                   user_table="kimi_k3_moe.kernels.flydsl.tiles")
 
 
 def make_backend(**options):

@@ -18,6 +18,7 @@ from typing import Any
 
 from kimi_k3_moe.act_quant import BF16
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels.flydsl import layout
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, check_arch
 
@@ -77,6 +78,39 @@ def default_table() -> dict[str, tuple[Tier, ...]]:
     return load_table()
 
 
+def shape_key(fmt: str, hidden: int, inter: int, top_k: int) -> str:
+    """A user table's entry key for a layer of this shape."""
+    return f"{fmt}/N{2 * inter}_K{hidden}_top{top_k}"
+
+
+def _user_row(r: dict) -> dict:
+    return {k: r[k] for k in ("max_tokens", "BM", "stage1", "stage2")}
+
+
+def _user_tiers(entry: dict) -> list:
+    rows = entry.get("tiers") if isinstance(entry, dict) else None
+    return [r.get("tuned_at_tokens") for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
+def _check_user_entry(key: str, entry: dict) -> None:
+    load_table({"gfx950": [_user_row(r) for r in entry["tiers"]]})
+
+
+# what `kimi-k3-moe tune` writes for this backend (configs/user_tables.py reads and checks it)
+USER_TABLE = user_tables.TableKind("flydsl", _user_tiers, _check_user_entry)
+
+
+def user_tiers(arch: str, fmt: str, hidden: int, inter: int, top_k: int):
+    """{arch: tiers} from a user table for this exact shape on this GPU, else None."""
+    table, _ = user_tables.load(USER_TABLE)
+    if table is None or table.get("target_arch") != arch:
+        return None
+    entry = table["entries"].get(shape_key(fmt, hidden, inter, top_k))
+    if entry is None:
+        return None
+    return load_table({arch: [_user_row(r) for r in entry["tiers"]]})
+
+
 def tier_for(arch: str, num_tokens: int, table: dict | None = None) -> Tier:
     check_arch(arch)
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
@@ -124,8 +158,7 @@ def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top
                   table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
     """(stage 1, stage 2) kernel configs for a layer of this shape at this token count."""
     if table is None:  # a valid user table (kimi-k3-moe tune) for exactly this GPU and shape comes first
-        from kimi_k3_moe.configs import user_tables
-        table = user_tables.flydsl_tiers(arch, weight_format, hidden, inter, top_k)
+        table = user_tiers(arch, weight_format, hidden, inter, top_k)
     tier = tier_for(arch, num_tokens, table)
     common = dict(arch=arch, weight_format=weight_format, top_k=top_k, BM=tier.BM, has_offsets=has_offsets,
                   int4_decode=int4_decode, act_dtype=act_dtype)
