@@ -72,7 +72,8 @@ SPLIT_STAGE2_BLOCK_M = 128
 # stores can run beside another's wgmmas: the table's stage 2 at 4096+ (256 x 128, 255 registers,
 # 194 KB) and its stage 1 at 16384 (230 registers, 8 warps) hold one. Stage 2's 128 x 128 is the
 # first tile that is both wider than 64 columns and two per SM (128 x 64 with 8 warps, also two per
-# SM, lost to 256 x 128 by 4 % on 2026-12-02). Compiled, not yet timed (docs/TRITON.md).
+# SM, lost to 256 x 128 by 4 % on 2026-12-02); at 255 registers a tune skips it (REGISTER_MARGIN), so
+# only benchmarks/pair_variants.py times it. Compiled, not yet timed (docs/TRITON.md).
 OCCUPANCY_S1 = [(32, 64, 4, 3, STACKED), (32, 128, 4, 2, STACKED)]
 OCCUPANCY_S2 = [(128, 128, 4, 2, PAIRS), (128, 64, 4, 3, True)]
 
