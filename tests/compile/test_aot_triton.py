@@ -255,3 +255,16 @@ def test_the_occupancy_tiles_run_two_blocks_per_sm_under_the_tables_triton():
                               cfg.validate(3584, 384))
         report, _ = compile_launch(next(l for l in plan if l.label == label), "sm_90")
         assert report.spills == 0 and report.blocks_per_sm >= 2, (label, cfg.to_json(), report.row())
+
+
+def test_the_resource_tool_reports_a_table_entrys_stage_kernels(tmp_path):
+    """benchmarks/triton_resources.py (what docs/TRITON.md's blocks-per-SM table came from) compiles a
+    table entry's two stage kernels and reports registers, shared memory and blocks per SM."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import triton_resources
+    cfg = triton_resources.table_tiers("triton_nvidia_h200", "mxfp4/E896_N768_K3584")["4096"]
+    rows = triton_resources.rows_for("mxfp4", (896, 3584, 384), 4096, "table", cfg, "sm_90", False)
+    assert [r["stage"] for r in rows] == ["stage1.aligned", "stage2.aligned"]
+    for r in rows:
+        assert r["registers"] > 0 and r["shared"] > 0 and r["blocks_per_sm"] >= 1
