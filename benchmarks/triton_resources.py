@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
+from kimi_k3_moe.configs import triton_table as tt  # noqa: E402
 from kimi_k3_moe.configs.triton_table import MoEConfig  # noqa: E402
 
 STAGES = ("stage1.aligned", "stage2.aligned", "stage1.gemv", "stage2.gemv")
@@ -67,8 +68,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     import triton
-    fmt, shape = args.key.split("/")
-    e, n, k = (int(x[1:]) for x in shape.split("_"))
+    fmt, e, n, k = tt.parse_shape_key(args.key)
     tiers = table_tiers(args.table, args.key)
     given = json.load(open(args.configs)) if args.configs else {}
     rows = []

@@ -176,6 +176,13 @@ def shape_key(fmt: str, num_experts: int, n: int, k: int) -> str:
     return f"{fmt}/E{num_experts}_N{n}_K{k}"
 
 
+def parse_shape_key(key: str) -> tuple[str, int, int, int]:
+    """`shape_key`'s inverse: 'mxfp4/E896_N768_K3584' -> ('mxfp4', 896, 768, 3584)."""
+    fmt, shape = key.split("/")
+    e, n, k = (int(x[1:]) for x in shape.split("_"))
+    return fmt, e, n, k
+
+
 def table_path(dev_key: str) -> Path:
     return Path(str(resources.files(TABLE_PACKAGE).joinpath(TABLE_DIR, f"triton_{dev_key}.json")))
 
@@ -197,14 +204,14 @@ def tiers_of(entry: dict) -> list[int]:
 
 
 def _check_user_entry(key: str, entry: dict) -> None:
-    n, k = (int(p[1:]) for p in key.split("/")[1].split("_")[1:3])
+    _, _, n, k = parse_shape_key(key)
     for cfg in entry["tiers"].values():
         MoEConfig.from_json(cfg).validate(k, n // 2)
 
 
 def _user_tiers(entry: dict) -> list[int]:
-    rows = entry.get("tiers") if isinstance(entry, dict) else None
-    return [int(t) for t in rows] if isinstance(rows, dict) else []
+    """`tiers_of` for an entry read from a user's file, which may hold anything: [] when malformed."""
+    return tiers_of(entry) if isinstance(entry, dict) and isinstance(entry.get("tiers"), dict) else []
 
 
 # what `kimi-k3-moe tune` writes for this backend (configs/user_tables.py reads and checks it)

@@ -73,8 +73,7 @@ def table_configs():
     for path in sorted(TABLES.glob("triton_*.json")):
         table = json.loads(path.read_text())
         for key, entry in table["entries"].items():
-            fmt, shape = key.split("/")
-            e, n, k = (int(x[1:]) for x in shape.split("_"))
+            fmt, e, n, k = tt.parse_shape_key(key)
             for tier, cfg in entry["tiers"].items():
                 out.append((fmt, e, k, n // 2, tt.MoEConfig.from_json(cfg), f"{path.stem} {key} T{tier}"))
     for fmt in ("mxfp4", "int4"):

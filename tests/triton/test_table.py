@@ -59,8 +59,7 @@ def test_shipped_tables(path):
     dev = path.stem[len("triton_"):]
     assert table["device_key"] == dev
     for key in table["entries"]:
-        fmt, shape = key.split("/")
-        e, n, k = (int(x[1:]) for x in shape.split("_"))
+        fmt, e, n, k = tt.parse_shape_key(key)
         check_entry(table, dev, fmt, e, k, n // 2)
 
 
