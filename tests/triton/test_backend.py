@@ -47,6 +47,8 @@ ALIGNED_NOSWAP_S2_TILES = replace(ALIGNED_NOSWAP, stage2=replace(ALIGNED_NOSWAP.
                                                                   n_tiles=3))
 ALIGNED_PAIRS_NOSWAP_S2_TILES = replace(ALIGNED_PAIRS_NOSWAP, stage2=replace(ALIGNED_PAIRS_NOSWAP.stage2, block_n=32,
                                                                               n_tiles=3))
+# a 16-wide stage-1 tile cannot swap whole 32-groups in registers: it scatters in pair order
+ALIGNED_PAIRS_N16 = replace(ALIGNED_PAIRS, stage1=replace(ALIGNED_PAIRS.stage1, block_n=16))
 # every pair a block of its own (no alignment launches), stacked gate/up and N tiles as on the H200;
 # pdl=True is turned off off NVIDIA sm_90+ (here: the interpreter)
 DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, pairs=True, stack_gate_up=True),
@@ -58,7 +60,7 @@ PATHS = {"gemv": GEMV, "direct": DIRECT, "direct-interleave": DIRECT_INTERLEAVE,
          "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS,
          "aligned-stacked": ALIGNED_STACKED, "aligned-stacked-noswap": ALIGNED_STACKED_NOSWAP,
          "aligned-s2-tiles": ALIGNED_S2_TILES, "aligned-noswap-s2-tiles": ALIGNED_NOSWAP_S2_TILES,
-         "aligned-pairs-noswap-s2-tiles": ALIGNED_PAIRS_NOSWAP_S2_TILES}
+         "aligned-pairs-noswap-s2-tiles": ALIGNED_PAIRS_NOSWAP_S2_TILES, "aligned-pairs-n16": ALIGNED_PAIRS_N16}
 
 
 def reference(backend, prepared, hidden, weights, ids, act, emap=None):

@@ -299,6 +299,16 @@ def pair_order(k):
 
 
 @triton.jit
+def to_pair_order(v):
+    """[ROWS, N] (N a multiple of 32) -> the same rows with column c holding column pair_order(c):
+    inside each 32-group the 4 x 4 (word, pair) indices swap, a register permute, so a caller
+    reads and writes contiguous columns instead of gathering or scattering 2-byte pieces."""
+    ROWS: tl.constexpr = v.shape[0]
+    N: tl.constexpr = v.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(v, (ROWS, N // 32, 4, 4, 2)), (0, 1, 3, 2, 4)), (ROWS, N))
+
+
+@triton.jit
 def load_weight_pairs(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n,
                       FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import (load_weight_pairs, load_weight_tile, load_weight_words,
-                                                        pair_order, word_k_offsets)
+                                                        pair_order, to_pair_order, word_k_offsets)
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
@@ -281,10 +281,15 @@ def _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr, num_p
 
 @triton.jit
 def _store_inter(acc_g, acc_u, beta, linear_beta, ACT: tl.constexpr, inter_ptr, stride_im, pair, row_ok, offs_n,
-                 dest, inter_size):
+                 dest, inter_size, SWAP_OUT: tl.constexpr):
     """Stage 1's epilogue on one row tile: the activation of the full K sums, stored at each real
-    row's pair."""
+    row's pair (columns `dest`). SWAP_OUT: the columns go out in pair order, swapped in registers
+    (pair_order keeps each 32-group) so the stores stay contiguous and `dest` is offs_n; a scatter
+    by pair_order had stored 2 bytes at a time (H200, 2026-12-03: stage 1 +25 % at 4096 tokens,
+    +36 % at 16384)."""
     h = apply_activation(acc_g, acc_u, beta, linear_beta, ACT)
+    if SWAP_OUT:
+        h = to_pair_order(h)
     out = inter_ptr + pair[:, None].to(tl.int64) * stride_im + dest[None, :]
     tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < inter_size)[None, :])
 
@@ -351,16 +356,19 @@ def stage1_aligned_kernel(
             x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain, row_ok_t, ka, gate_rows, gate_s,
             gate_o, up_rows, up_s, up_o, mask_n, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS,
             BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
-    if OUT_PAIRS:
+    # pair order swapped in registers needs whole 32-groups in the tile; a 16-wide one scatters
+    SWAP_OUT: tl.constexpr = OUT_PAIRS and BLOCK_N % 32 == 0
+    if OUT_PAIRS and not SWAP_OUT:
         dest = pair_order(offs_n)
-    elif OUT_BLOCK_K > 0:
+    elif OUT_BLOCK_K > 0 and not OUT_PAIRS:
         dest = word_position(offs_n, OUT_BLOCK_K)
     else:
         dest = offs_n
-    _store_inter(acc_g, acc_u, beta, linear_beta, ACT, inter_ptr, stride_im, pair, row_ok, offs_n, dest, inter_size)
+    _store_inter(acc_g, acc_u, beta, linear_beta, ACT, inter_ptr, stride_im, pair, row_ok, offs_n, dest, inter_size,
+                 SWAP_OUT)
     if TAIL_M > 0:
         _store_inter(acc_gt, acc_ut, beta, linear_beta, ACT, inter_ptr, stride_im, pair_t, row_ok_t, offs_n, dest,
-                     inter_size)
+                     inter_size, SWAP_OUT)
 
 
 @triton.jit

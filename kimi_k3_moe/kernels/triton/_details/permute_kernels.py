@@ -10,6 +10,7 @@ stage 2 reads it that way (`word_position`).
 import triton
 import triton.language as tl
 
+from kimi_k3_moe.kernels.triton._details.decode import to_pair_order
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 
@@ -46,6 +47,5 @@ def permute_pairs_kernel(x_ptr, stride_xm, out_ptr, stride_om, num_rows, K: tl.c
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (t < num_rows)[:, None] & (k < K)[None, :]
     v = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xm + k[None, :], mask=mask, other=0.0)
-    v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_T, BLOCK_K // 32, 4, 4, 2)), (0, 1, 3, 2, 4)),
-                   (BLOCK_T, BLOCK_K))
-    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_om + k[None, :], cast_to(v, tl.bfloat16), mask=mask)
+    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_om + k[None, :], cast_to(to_pair_order(v), tl.bfloat16),
+             mask=mask)
