@@ -140,8 +140,6 @@ class MoEConfig:
                 # the tail tile is a second MMA on the same weights: tokens must be the MMA's N side
                 if not stage.swap:
                     raise ValueError(f"{name} {bm} (a main and a tail tile) needs that stage's swap")
-                if stage.n_tiles != 1:
-                    raise ValueError(f"{name} {bm} (a main and a tail tile) needs n_tiles 1 in that stage")
 
     def to_json(self) -> dict:
         d = asdict(self)

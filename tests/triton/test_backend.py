@@ -274,8 +274,14 @@ TAIL_WORDDOTS = replace(ALIGNED_WORDDOTS, block_m=48, stage2=replace(ALIGNED_WOR
 # each stage its own row blocks (a second alignment): a tail in stage 1 only, then in stage 2 only
 SPLIT_S1_TAIL = replace(TAIL_STACKED, stage2=ALIGNED_NOSWAP.stage2, stage2_block_m=32)
 SPLIT_S2_TAIL = replace(ALIGNED_PAIRS, block_m=16, stage2_block_m=48)
+# stage 2 taking several N tiles per program on tail blocks: the tail's activations are loaded once
+# beside the main tile's (pairs) or per step (interleave), and each tile's unrolled K runs both dots
+TAIL_S2_TILES = replace(ALIGNED_S2_TILES, block_m=48)
+TAIL_S2_TILES_INTERLEAVE = replace(TAIL_INTERLEAVE, stage2=replace(TAIL_INTERLEAVE.stage2, block_n=32, block_k=32,
+                                                                   n_tiles=3))
 TAILS = {"pairs": TAIL_PAIRS, "stacked": TAIL_STACKED, "interleave": TAIL_INTERLEAVE, "worddots": TAIL_WORDDOTS,
-         "split-s1-tail": SPLIT_S1_TAIL, "split-s2-tail": SPLIT_S2_TAIL}
+         "split-s1-tail": SPLIT_S1_TAIL, "split-s2-tail": SPLIT_S2_TAIL, "s2-tiles": TAIL_S2_TILES,
+         "s2-tiles-interleave": TAIL_S2_TILES_INTERLEAVE}
 
 
 def skewed_routing(gen, tokens=64):
@@ -303,7 +309,7 @@ def test_tail_tile_rows_match_the_reference(fmt, order, problem):
     assert_follows_the_activation(backend, prepared, hidden, weights, ids, f"{fmt} {order}")
 
 
-@pytest.mark.parametrize("order", ["stacked", "split-s1-tail"])
+@pytest.mark.parametrize("order", ["stacked", "split-s1-tail", "s2-tiles"])
 def test_tail_tile_under_an_expert_map(order, problem):
     ex, _, gen = problem
     backend = get_backend("triton", config=TAILS[order])

@@ -374,7 +374,7 @@ def stage1_aligned_kernel(
 @triton.jit
 def _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t, ka, w_ptr,
                  w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn: tl.constexpr, y_ptr, stride_ym, topk_w_ptr, n0,
-                 hidden, inter_size: tl.constexpr, xs, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+                 hidden, inter_size: tl.constexpr, xs, xts, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                  DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
                  BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  UNROLL_K: tl.constexpr):
@@ -390,15 +390,21 @@ def _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_p
     if TAIL_M > 0:
         acc_t = acc_zeros(TAIL_M, BLOCK_N, SWAP)
     if UNROLL_K:  # the caller's tile loop is the pipelined one: all of K in one iteration
-        tl.static_assert(TAIL_M == 0, "a tail tile needs N_TILES == 1")
         for i in tl.static_range(inter_size // BLOCK_K):
-            if PAIRS:  # the activations were loaded once for all tiles (xs)
+            if PAIRS:  # the activations were loaded once for all tiles (xs, the tail's xts)
                 x = (xs[i],)
             else:
                 x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, i * BLOCK_K, INTERLEAVE, PAIRS, BLOCK_K)
             w = _load_w_step(w_rows, s_rows, o_rows, i * BLOCK_K, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE,
                              PAIRS, BLOCK_N, BLOCK_K)
             acc = _dot_step(acc, x, w, SWAP, INTERLEAVE, PAIRS)
+            if TAIL_M > 0:
+                if PAIRS:
+                    xt = (xts[i],)
+                else:
+                    xt = _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, i * BLOCK_K, INTERLEAVE, PAIRS,
+                                      BLOCK_K)
+                acc_t = _dot_step(acc_t, xt, w, SWAP, INTERLEAVE, PAIRS)
     else:
         for k0 in range(0, inter_size, BLOCK_K):
             x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
@@ -467,19 +473,23 @@ def stage2_aligned_kernel(
     w_base = e * stride_we
     s_base = e * stride_se
     xs = ()
+    xts = ()
     if N_TILES == 1:
         _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t, ka,
                      w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym, topk_w_ptr,
-                     pid_g * BLOCK_N, hidden, inter_size, xs, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS,
+                     pid_g * BLOCK_N, hidden, inter_size, xs, xts, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS,
                      BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, False)
     else:
         if PAIRS:  # the block's activations, all of K, loaded once for its N tiles
             for k0 in tl.static_range(0, inter_size, BLOCK_K):
                 xs = xs + _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
+                if TAIL_M > 0:
+                    xts = xts + _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, k0, INTERLEAVE, PAIRS,
+                                             BLOCK_K)
         for t in range(0, N_TILES):
             _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t,
                          ka, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym,
-                         topk_w_ptr, (pid_g * N_TILES + t) * BLOCK_N, hidden, inter_size, xs, FMT, HAS_OFFSETS,
+                         topk_w_ptr, (pid_g * N_TILES + t) * BLOCK_N, hidden, inter_size, xs, xts, FMT, HAS_OFFSETS,
                          DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, True)
 
 
