@@ -11,9 +11,12 @@
 #                                            # check TP8, time ours and the triton_kernels peer (PEER_PATH)
 #   bash benchmarks/gpu_final.sh occupancy OUT # 4096+ tiles of which an SM runs two or more blocks
 #                                            # (tuning_space.OCCUPANCY_*), beside the table's, per launch
-# OUT holds at most 4 files per part (the device tool brings back 8).
+#   bash benchmarks/gpu_final.sh s2tiles OUT # 4096+: swapped stage 2 taking 28 N tiles per program (tail
+#                                            # blocks or its own 128-row ones) beside the table's, TP8 and
+#                                            # TP16, MXFP4 and int4 (results/h200-2026-12-03-s2/ candidates)
+# OUT holds at most 5 files per part (the device tool brings back 8).
 set -u
-PART=${1:?part2, recheck, int4bench, tp16, retune_tp8 or occupancy}
+PART=${1:?part2, recheck, int4bench, tp16, retune_tp8, occupancy or s2tiles}
 OUT=${2:?output folder}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -74,6 +77,17 @@ case "$PART" in
   occupancy)
     step occupancy_tp8 ${OCC_S:-420} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 \
         --tokens 4096,16384 --per-launch --out "$OUT/occupancy_tp8.json"
+    ;;
+  s2tiles)
+    C=benchmarks/results/h200-2026-12-03-s2
+    step s2_tp8 ${S2_S:-150} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 --tokens 4096,16384 \
+        --per-launch --configs $C/s2_candidates_4.json --out "$OUT/s2_tp8_4.json"
+    step s2_int4_tp8 ${S2_S:-150} python3 benchmarks/pair_variants.py --shape tp8 --formats int4 --tokens 4096,16384 \
+        --configs $C/s2_candidates_int4_tp8.json --out "$OUT/s2_int4_tp8.json"
+    step s2_tp16 ${S2_S:-150} python3 benchmarks/pair_variants.py --shape tp16 --formats mxfp4 --tokens 4096,16384 \
+        --configs $C/s2_candidates_mxfp4_tp16.json --out "$OUT/s2_mxfp4_tp16.json"
+    step s2_int4_tp16 ${S2_S:-150} python3 benchmarks/pair_variants.py --shape tp16 --formats int4 --tokens 4096,16384 \
+        --configs $C/s2_candidates_int4_tp16.json --out "$OUT/s2_int4_tp16.json"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
