@@ -81,7 +81,7 @@ case "$PART" in
   s2tiles)
     C=benchmarks/results/h200-2026-12-03-s2
     step s2_tp8 ${S2_S:-150} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 --tokens 4096,16384 \
-        --per-launch --configs $C/s2_candidates_4.json --out "$OUT/s2_tp8_4.json"
+        --per-launch --configs $C/s2_candidates_5.json --out "$OUT/s2_tp8_4.json"
     step s2_int4_tp8 ${S2_S:-150} python3 benchmarks/pair_variants.py --shape tp8 --formats int4 --tokens 4096,16384 \
         --configs $C/s2_candidates_int4_tp8.json --out "$OUT/s2_int4_tp8.json"
     step s2_tp16 ${S2_S:-150} python3 benchmarks/pair_variants.py --shape tp16 --formats mxfp4 --tokens 4096,16384 \

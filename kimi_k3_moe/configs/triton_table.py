@@ -54,6 +54,10 @@ class KernelConfig:
     # aligned stage 2: N tiles per program, K unrolled and the tile loop pipelined (its K = I is a few
     # steps only, so per-tile loads would otherwise start from an empty pipeline at every tile)
     n_tiles: int = 1
+    # aligned stage 2 in pair order with n_tiles > 1: inter is read in plain order (stage 1 stores it
+    # so) and each K step is swapped into pair order in registers, once per program for all its
+    # tiles (stage 1's epilogue then skips that swap)
+    plain_inter: bool = False
 
     def validate(self, k: int, what: str, min_block_n: int = 16) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -72,6 +76,8 @@ class KernelConfig:
             raise ValueError(f"{what}.n_tiles = {self.n_tiles} must be >= 1")
         if self.stack_gate_up and not self.pairs:
             raise ValueError(f"{what}: stack_gate_up needs pairs (the stacked tile is read in pair order)")
+        if self.plain_inter and not (self.pairs and self.n_tiles > 1):
+            raise ValueError(f"{what}: plain_inter needs pairs and n_tiles > 1 (the swap is done once per program)")
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,9 @@ class MoEConfig:
 
     def to_json(self) -> dict:
         d = asdict(self)
+        for stage in ("stage1", "stage2"):
+            if not d[stage]["plain_inter"]:  # tables written before it keep their form
+                del d[stage]["plain_inter"]
         if self.stage2_block_m is None:
             del d["stage2_block_m"]
         if not self.pdl:

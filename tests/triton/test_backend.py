@@ -43,6 +43,8 @@ ALIGNED_STACKED_NOSWAP = replace(ALIGNED_PAIRS_NOSWAP, stage1=replace(ALIGNED_PA
 # stage 2 taking several N tiles per program (K unrolled): 3 tiles of 32 over H = 128, so the second
 # program's last two tiles lie past H; two K steps of 32 over I = 64
 ALIGNED_S2_TILES = replace(ALIGNED_PAIRS, stage2=replace(ALIGNED_PAIRS.stage2, block_n=32, block_k=32, n_tiles=3))
+# the same reading inter in plain order (stage 1 stores it so) and swapping it into pair order in registers
+ALIGNED_S2_TILES_PLAIN = replace(ALIGNED_S2_TILES, stage2=replace(ALIGNED_S2_TILES.stage2, plain_inter=True))
 ALIGNED_NOSWAP_S2_TILES = replace(ALIGNED_NOSWAP, stage2=replace(ALIGNED_NOSWAP.stage2, block_n=32, block_k=32,
                                                                   n_tiles=3))
 ALIGNED_PAIRS_NOSWAP_S2_TILES = replace(ALIGNED_PAIRS_NOSWAP, stage2=replace(ALIGNED_PAIRS_NOSWAP.stage2, block_n=32,
@@ -60,7 +62,8 @@ PATHS = {"gemv": GEMV, "direct": DIRECT, "direct-interleave": DIRECT_INTERLEAVE,
          "aligned-pairs-then-interleave": ALIGNED_PAIRS_MIXED, "aligned-worddots-then-pairs": ALIGNED_MIXED_PAIRS,
          "aligned-stacked": ALIGNED_STACKED, "aligned-stacked-noswap": ALIGNED_STACKED_NOSWAP,
          "aligned-s2-tiles": ALIGNED_S2_TILES, "aligned-noswap-s2-tiles": ALIGNED_NOSWAP_S2_TILES,
-         "aligned-pairs-noswap-s2-tiles": ALIGNED_PAIRS_NOSWAP_S2_TILES, "aligned-pairs-n16": ALIGNED_PAIRS_N16}
+         "aligned-pairs-noswap-s2-tiles": ALIGNED_PAIRS_NOSWAP_S2_TILES, "aligned-pairs-n16": ALIGNED_PAIRS_N16,
+         "aligned-s2-tiles-plain-inter": ALIGNED_S2_TILES_PLAIN}
 
 
 def reference(backend, prepared, hidden, weights, ids, act, emap=None):
@@ -277,10 +280,11 @@ SPLIT_S2_TAIL = replace(ALIGNED_PAIRS, block_m=16, stage2_block_m=48)
 # stage 2 taking several N tiles per program on tail blocks: the tail's activations are loaded once
 # beside the main tile's (pairs) or per step (interleave), and each tile's unrolled K runs both dots
 TAIL_S2_TILES = replace(ALIGNED_S2_TILES, block_m=48)
+TAIL_S2_TILES_PLAIN = replace(TAIL_S2_TILES, stage2=replace(TAIL_S2_TILES.stage2, plain_inter=True))
 TAIL_S2_TILES_INTERLEAVE = replace(TAIL_INTERLEAVE, stage2=replace(TAIL_INTERLEAVE.stage2, block_n=32, block_k=32,
                                                                    n_tiles=3))
 TAILS = {"pairs": TAIL_PAIRS, "stacked": TAIL_STACKED, "interleave": TAIL_INTERLEAVE, "worddots": TAIL_WORDDOTS,
-         "split-s1-tail": SPLIT_S1_TAIL, "split-s2-tail": SPLIT_S2_TAIL, "s2-tiles": TAIL_S2_TILES,
+         "split-s1-tail": SPLIT_S1_TAIL, "split-s2-tail": SPLIT_S2_TAIL, "s2-tiles": TAIL_S2_TILES, "s2-tiles-plain-inter": TAIL_S2_TILES_PLAIN,
          "s2-tiles-interleave": TAIL_S2_TILES_INTERLEAVE}
 
 

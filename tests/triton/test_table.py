@@ -110,6 +110,13 @@ def test_config_json_roundtrip_and_validation():
         MoEConfig(block_m=96, stage1=KernelConfig(swap=False), stage2_block_m=128).validate(3584, 384)
     MoEConfig(block_m=96, stage2=KernelConfig(swap=False), stage2_block_m=128).validate(3584, 384)
     MoEConfig(block_m=160, stage2=KernelConfig(n_tiles=4)).validate(3584, 384)  # each tile runs both dots
+    MoEConfig(stage2=KernelConfig(pairs=True, n_tiles=4, plain_inter=True)).validate(3584, 384)
+    for bad in (KernelConfig(pairs=True, plain_inter=True), KernelConfig(n_tiles=4, plain_inter=True)):
+        with pytest.raises(ValueError, match="plain_inter needs pairs and n_tiles > 1"):
+            MoEConfig(stage2=bad).validate(3584, 384)
+    plain = MoEConfig(stage2=KernelConfig(pairs=True, n_tiles=4, plain_inter=True))
+    assert MoEConfig.from_json(json.loads(json.dumps(plain.to_json()))) == plain
+    assert "plain_inter" not in MoEConfig().to_json()["stage2"]  # older tables keep their form
     with pytest.raises(ValueError, match="stage2_block_m 80"):
         MoEConfig(stage2_block_m=80).validate(3584, 384)
     split = MoEConfig(block_m=96, stage2_block_m=128)

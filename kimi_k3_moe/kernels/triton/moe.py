@@ -48,5 +48,5 @@ def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, o
         launches.append(permute)
     inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode,
                                out_block_k=0 if s2_cfg.pairs or s2_cfg.interleave else s2_cfg.block_k,
-                               out_pairs=s2_cfg.pairs)
+                               out_pairs=s2_cfg.pairs and not s2_cfg.plain_inter)
     return [*launches, s1, *stage2_aligned(experts, inter, pairs2, topk_weights, out, s2_cfg, config.decode)]

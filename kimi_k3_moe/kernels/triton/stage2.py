@@ -28,8 +28,8 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
         sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
         num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
         SWAP=cfg.swap, INTERLEAVE=cfg.interleave, PAIRS=cfg.pairs,
-        **row_tile_args(pairs), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles, PDL=False),
-        cfg.num_warps, cfg.num_stages, "stage2.aligned")
+        **row_tile_args(pairs), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles,
+        PLAIN_INTER=cfg.plain_inter, PDL=False), cfg.num_warps, cfg.num_stages, "stage2.aligned")
     return [matmul, topk_reduce(y, pairs, out, topk)]
 
 

@@ -159,6 +159,16 @@ def _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, INTERLEAVE: tl.conste
 
 
 @triton.jit
+def _load_x_pairs(x_plain, row_ok, k0, PLAIN: tl.constexpr):
+    """(x,): the K step at k0 in pair order, from activations stored in pair order or, PLAIN, in
+    plain order (swapped in registers)."""
+    x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
+    if PLAIN:
+        x = to_pair_order(x)
+    return (x,)
+
+
+@triton.jit
 def _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
                  DECODE: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
@@ -444,7 +454,8 @@ def stage2_aligned_kernel(
     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
     INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_TILES: tl.constexpr, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+    N_TILES: tl.constexpr, PLAIN_INTER: tl.constexpr, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """y[pair, n] = router_weight[pair] * (inter[pair] . W2_e[n]), stored per (token, slot) pair.
 
@@ -452,7 +463,8 @@ def stage2_aligned_kernel(
     K steps are unrolled and the tile loop is the pipelined one, so the next tiles' weights are in
     flight during a tile's decode and store (K = I is a few steps: a K loop per tile starts from an
     empty pipeline every time).
-    PAIRS: inter in pair order, one dot per K step. Padded rows (never stored by stage 1)
+    PAIRS: inter in pair order, one dot per K step; with PLAIN_INTER (N_TILES > 1) inter is read in
+    plain order and swapped into pair order in registers as it is loaded. Padded rows (never stored by stage 1)
     are not loaded. DIRECT: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
@@ -482,10 +494,9 @@ def stage2_aligned_kernel(
     else:
         if PAIRS:  # the block's activations, all of K, loaded once for its N tiles
             for k0 in tl.static_range(0, inter_size, BLOCK_K):
-                xs = xs + _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
+                xs = xs + _load_x_pairs(a_plain, row_ok, k0, PLAIN_INTER)
                 if TAIL_M > 0:
-                    xts = xts + _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, k0, INTERLEAVE, PAIRS,
-                                             BLOCK_K)
+                    xts = xts + _load_x_pairs(at_plain, row_ok_t, k0, PLAIN_INTER)
         for t in range(0, N_TILES):
             _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t,
                          ka, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym,
