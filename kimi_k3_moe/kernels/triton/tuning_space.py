@@ -27,6 +27,7 @@ GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
 # most promising first: the secondary entries try only the first QUICK of each list
 PAIRS = "pairs"
 STACKED = "stacked"  # pairs, gate and up rows in one tile (H200 winners at 16-64 tokens MXFP4, 4096+ int4)
+PLAIN_INTER = "plain-inter"  # pairs on several N tiles, inter read in plain order (KernelConfig.plain_inter)
 ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (32, 128, 4, 3, STACKED), (64, 128, 8, 3, STACKED), (64, 256, 4, 3, PAIRS),
               # the H200's winners at 4096+ on tail blocks (2026-12-02): MXFP4 the first, int4 the second
               (64, 64, 8, 3, STACKED), (64, 64, 4, 3, STACKED),
@@ -51,9 +52,10 @@ DIRECT_S2 = [(64, 128, 4, 3, PAIRS, 2), (64, 64, 4, 2, PAIRS, 4), (64, 128, 4, 3
 # at 4-64 tokens took it, 2026-12-02; at EP16 it measured slower); a GPU without it gets the same
 # config back (MoEConfig.for_target), tried once
 PDL_MAX_TOKENS = 64
-# per thread, the activations a pair-order stage 2 with n_tiles > 1 holds for all its tiles
-# (block_m x I bf16; 192 B = 48 registers: what TP8's 32-row blocks need, EP16's I = 3072 spills)
-TILES_X_BYTES_PER_THREAD = 192
+# the activations a pair-order stage 2 with n_tiles > 1 keeps for all its tiles (block_m x I bf16):
+# Triton 3.6 holds them in shared memory (sm_90 SASS: LDGSTS, 2026-12-03), so TP8's 128- and 160-row
+# blocks (96 / 120 KB) fit beside the weight stages and EP16's I = 3072 (192 KB at 32 rows) does not
+TILES_X_BYTES = 128 * 1024
 REGISTER_MARGIN = 250  # configs using more are treated as spilling (see tune_entry)
 QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
 
@@ -99,8 +101,8 @@ def kc(t, swap=True) -> KernelConfig:
     order = rest[0] if rest else True
     n_tiles = rest[1] if len(rest) > 1 else 1
     return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap,
-                        interleave=order is not False, pairs=order in (PAIRS, STACKED),
-                        stack_gate_up=order == STACKED, n_tiles=n_tiles)
+                        interleave=order is not False, pairs=order in (PAIRS, STACKED, PLAIN_INTER),
+                        stack_gate_up=order == STACKED, n_tiles=n_tiles, plain_inter=order == PLAIN_INTER)
 
 
 def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
@@ -109,8 +111,8 @@ def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
     except ValueError:
         return False
     s2 = cfg.stage2
-    held = cfg.block_ms[1] * inter * 2 / (32 * s2.num_warps)
-    return not (cfg.path == "aligned" and s2.pairs and s2.n_tiles > 1 and held > TILES_X_BYTES_PER_THREAD)
+    held = cfg.block_ms[1] * inter * 2
+    return not (cfg.path == "aligned" and s2.pairs and s2.n_tiles > 1 and held > TILES_X_BYTES)
 
 
 def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
