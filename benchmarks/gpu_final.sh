@@ -9,8 +9,8 @@
 #   bash benchmarks/gpu_final.sh tp16 OUT    # retune the TP16 MXFP4 entry in full, check TP16 on it
 #   bash benchmarks/gpu_final.sh retune_tp8 OUT # retune TP8 MXFP4 at 16-1024 tokens (candidate list grown),
 #                                            # check TP8, time ours and the triton_kernels peer (PEER_PATH)
-#   bash benchmarks/gpu_final.sh occupancy OUT # 4096+ tiles of which an SM runs two or more blocks
-#                                            # (tuning_space.OCCUPANCY_*), beside the table's, per launch
+#   bash benchmarks/gpu_final.sh large OUT   # 4096+: what pair_variants.py generates there (the many-tile
+#                                            # stage 2 on both kinds of block) beside the table's, per launch
 #   bash benchmarks/gpu_final.sh s2tiles OUT # 4096+: swapped stage 2 taking 28 N tiles per program (tail
 #                                            # blocks or its own 128-row ones) beside the table's, TP8 and
 #                                            # TP16, MXFP4 and int4 (results/h200-2026-12-03-s2/ candidates)
@@ -18,7 +18,7 @@
 #                                            # ours vs Humming and triton_kernels, and the TP8 checks
 # OUT holds at most 5 files per part (the device tool brings back 8).
 set -u
-PART=${1:?part2, recheck, int4bench, tp16, retune_tp8, occupancy, s2tiles or s2final}
+PART=${1:?part2, recheck, int4bench, tp16, retune_tp8, large, s2tiles or s2final}
 OUT=${2:?output folder}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -76,9 +76,9 @@ case "$PART" in
     step bench_peer ${PEER_S:-120} python3 benchmarks/bench_moe.py --formats "" --peers triton_kernels \
         --peer-path "${PEER_PATH:-.peer}" --out "$OUT/bench_peer.json"
     ;;
-  occupancy)
-    step occupancy_tp8 ${OCC_S:-420} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 \
-        --tokens 4096,16384 --per-launch --out "$OUT/occupancy_tp8.json"
+  large)
+    step large_tp8 ${LARGE_S:-420} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 \
+        --tokens 4096,16384 --per-launch --out "$OUT/large_tp8.json"
     ;;
   s2tiles)
     C=benchmarks/results/h200-2026-12-03-s2

@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 
 from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
-from kimi_k3_moe.kernels.triton.tuning_space import (OCCUPANCY_S1, OCCUPANCY_S2, PAIRS, SPLIT_STAGE2_BLOCK_M, STACKED,
+from kimi_k3_moe.kernels.triton.tuning_space import (PAIRS, PLAIN_INTER, SPLIT_STAGE2_BLOCK_M, STACKED, TAIL_S2_TILES,
                                                       kc)
 
 
@@ -64,28 +64,21 @@ def _candidates(base: MoEConfig, tokens: int, hidden: int) -> dict[str, MoEConfi
 
 
 def _large_candidates(base: MoEConfig, tokens: int) -> dict[str, MoEConfig]:
-    """4096+ tokens: the table's entry with each tile of which an SM runs two or more blocks
-    (tuning_space.OCCUPANCY_S1 / _S2: stage 1 on the entry's tail blocks, stage 2 not swapped on its
-    own 128-row blocks), and the first stage-1 tile with each of the first two stage-2 tiles.
-    (The tail-block and wide stage-2 candidates timed on 2026-12-02 are in results/h200-2026-12-02-tails/.)"""
-    def s1(t):
-        return replace(base, stage1=kc(t, True))
-
-    def s2(cfg, t):
-        return replace(cfg, stage2=kc(t, False), stage2_block_m=SPLIT_STAGE2_BLOCK_M)
+    """4096+ tokens: the table's entry with each many-tile stage 2 (tuning_space.TAIL_S2_TILES) on the
+    entry's stage-1 blocks and on 128-row blocks of its own. (The tiles of which an SM runs two blocks,
+    timed on 2026-12-03, are in results/h200-2026-12-03-s2/occupancy_tp8.json; the tail-block and
+    wide stage-2 candidates of 2026-12-02 in results/h200-2026-12-02-tails/.)"""
     out = {}
-    for t in OCCUPANCY_S2:
-        out[f"s2{_tile_name(t)}"] = s2(base, t)
-    for t in OCCUPANCY_S1:
-        out[f"s1{_tile_name(t)}"] = s1(t)
-    for t in OCCUPANCY_S2[:2]:
-        out[f"s1{_tile_name(OCCUPANCY_S1[0])}-s2{_tile_name(t)}"] = s2(s1(OCCUPANCY_S1[0]), t)
+    for t in TAIL_S2_TILES:
+        for bm2, where in ((None, "same"), (SPLIT_STAGE2_BLOCK_M, f"b{SPLIT_STAGE2_BLOCK_M}")):
+            out[f"s2{_tile_name(t)}-{where}"] = replace(base, stage2=kc(t), stage2_block_m=bm2)
     return out
 
 
 def _tile_name(t) -> str:
-    bn, bk, w, st, order = t
-    return f"n{bn}k{bk}w{w}s{st}" + {True: "", False: "words", PAIRS: "pairs", STACKED: "stacked"}[order]
+    bn, bk, w, st, order, *tiles = t
+    return (f"n{bn}k{bk}w{w}s{st}" + {True: "", False: "words", PAIRS: "pairs", STACKED: "stacked",
+                                       PLAIN_INTER: "plain"}[order] + "".join(f"t{n}" for n in tiles))
 
 
 def _tp8_aligned(tokens: int, hidden: int) -> dict[str, MoEConfig]:

@@ -196,21 +196,24 @@ def test_a_quick_tune_tries_the_tail_block_winners():
                 {(c.stage2, c.stage2_block_m) for c in s2}
 
 
-def test_a_full_tune_tries_the_tiles_that_run_two_blocks_per_sm_at_4096_plus():
-    """Every OCCUPANCY tile is in the full space at 4096+: stage 1 swapped on the tail blocks, stage 2
-    not swapped on its own 128-row blocks (tests/compile checks that an SM runs two or more of them)."""
+def test_a_full_tune_tries_the_many_tile_stage_2_at_4096_plus():
+    """Every TAIL_S2_TILES tile is in the full space at 4096+, swapped, on stage 2's own 128-row
+    blocks and on the tail blocks whose activations fit in TILES_X_BYTES (not 192 rows x 384: 144 KB)
+    (tests/compile checks that an SM runs two of them)."""
     from kimi_k3_moe.kernels.triton import tuning_space as ts
     for tier, tails in ts.TAIL_BLOCKS.items():
         for bm in tails:
-            s1, s2, _ = ts.candidates(tier, 3584, 384)[("aligned", bm)]
-            assert {ts.kc(t) for t in ts.OCCUPANCY_S1} <= {c.stage1 for c in s1}
-            assert {(ts.kc(t, swap=False), ts.SPLIT_STAGE2_BLOCK_M) for t in ts.OCCUPANCY_S2} <= \
-                {(c.stage2, c.stage2_block_m) for c in s2}
+            _, s2, _ = ts.candidates(tier, 3584, 384)[("aligned", bm)]
+            got = {(c.stage2, c.stage2_block_m) for c in s2}
+            for t in ts.TAIL_S2_TILES:
+                assert (ts.kc(t), ts.SPLIT_STAGE2_BLOCK_M) in got, t
+                assert ((ts.kc(t), None) in got) == (bm * 384 * 2 <= ts.TILES_X_BYTES), (bm, t)
+    assert {ts.kc(t).plain_inter for t in ts.TAIL_S2_TILES} == {False, True}
 
 
-def test_pair_variants_times_the_occupancy_tiles_beside_the_large_entries():
-    """What benchmarks/pair_variants.py times at 4096+ (gpu_final.sh occupancy): the table's entry with
-    each OCCUPANCY tile, every candidate valid for TP8 and TP16."""
+def test_pair_variants_times_the_many_tile_stage_2_beside_the_large_entries():
+    """What benchmarks/pair_variants.py times at 4096+: the table's entry with each TAIL_S2_TILES tile
+    on its stage-1 blocks and on 128-row blocks, every candidate valid for TP8 and TP16."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -222,8 +225,7 @@ def test_pair_variants_times_the_occupancy_tiles_beside_the_large_entries():
         for tokens in (4096, 16384):
             base = tt.lookup("nvidia_h200", "mxfp4", 896, 3584, inter, tokens, is_cuda=True, table=table).config
             got = pair_variants.candidates(base, tokens, inter=inter)
-            assert len(got) == len(ts.OCCUPANCY_S1) + len(ts.OCCUPANCY_S2) + 2
-            assert {ts.kc(t, True) for t in ts.OCCUPANCY_S1} <= {c.stage1 for c in got.values()}
-            assert {(ts.kc(t, False).block_n, ts.SPLIT_STAGE2_BLOCK_M) for t in ts.OCCUPANCY_S2} <= \
-                {(c.stage2.block_n, c.stage2_block_m) for c in got.values()}
+            assert len(got) >= len(ts.TAIL_S2_TILES)
+            assert all(c.stage2.n_tiles == 28 and c.stage2.swap for c in got.values())
+            assert {c.stage2_block_m for c in got.values()} <= {None, ts.SPLIT_STAGE2_BLOCK_M}
             assert all(c.validate(3584, inter) == c for c in got.values())

@@ -69,15 +69,13 @@ TAIL_BLOCKS = {4096: (96,), 16384: (160, 192)}
 TAIL_S1_WINNERS = [(64, 64, 8, 3, STACKED), (64, 64, 4, 3, STACKED), (64, 128, 8, 3, STACKED)]
 TAIL_S2_WINNERS = [(256, 128, 8, 3, True), (256, 64, 8, 3, True)]
 SPLIT_STAGE2_BLOCK_M = 128
-# tail-block tiles of which an SM runs two or more blocks at once under Triton 3.6 (sm_90, read off
-# ahead-of-time builds by benchmarks/triton_resources.py, 2026-12-03), so one block's decode and
-# stores can run beside another's wgmmas: the table's stage 2 at 4096+ (256 x 128, 255 registers,
-# 194 KB) and its stage 1 at 16384 (230 registers, 8 warps) hold one. Stage 2's 128 x 128 is the
-# first tile that is both wider than 64 columns and two per SM (128 x 64 with 8 warps, also two per
-# SM, lost to 256 x 128 by 4 % on 2026-12-02); at 255 registers a tune skips it (REGISTER_MARGIN), so
-# only benchmarks/pair_variants.py times it. Compiled, not yet timed (docs/TRITON.md).
-OCCUPANCY_S1 = [(32, 64, 4, 3, STACKED), (32, 128, 4, 2, STACKED)]
-OCCUPANCY_S2 = [(128, 128, 4, 2, PAIRS), (128, 64, 4, 3, True)]
+# stage 2 swapped (weights the register operand, so its wgmmas chain) on 28 N tiles of 64 per
+# program, the row block's activations loaded once into shared memory for all of them: the H200's
+# winners at 4096 (on the tail blocks, 3 stages) and 16384 (on 128-row blocks of its own, 2 stages),
+# 2026-12-03, stage 2 1003 -> 663 and 3194 -> 2333 us (docs/TRITON.md); an SM runs two blocks of
+# each. Tried on both kinds of block, inter in pair order and read plainly (PLAIN_INTER).
+TAIL_S2_TILES = [(64, 128, 4, 3, PAIRS, 28), (64, 128, 4, 2, PAIRS, 28),
+                 (64, 128, 4, 3, PLAIN_INTER, 28), (64, 128, 4, 2, PLAIN_INTER, 28)]
 
 
 def block_ms(tier: int) -> list[int]:
@@ -168,12 +166,14 @@ def _direct_candidates(hidden: int, inter: int, n: int | None) -> dict:
 
 def _tail_candidates(base_h: MoEConfig, bm: int, hidden: int, inter: int, n: int | None) -> dict:
     """Stage 1 on tail blocks of bm rows (swapped: the tail is a second MMA on the same weights);
-    stage 2 on its own 128-row blocks (either orientation) or, swapped, on the same blocks."""
+    stage 2 on its own 128-row blocks (either orientation) or, swapped, on the same blocks; the
+    many-tile stage 2 (TAIL_S2_TILES) first, on both."""
     base = replace(base_h, block_m=bm, stage1=replace(base_h.stage1, swap=True),
                    stage2=replace(base_h.stage2, swap=False), stage2_block_m=SPLIT_STAGE2_BLOCK_M)
-    s1 = [replace(base, stage1=kc(c)) for c in _winners_first(ALIGNED_S1, TAIL_S1_WINNERS + OCCUPANCY_S1)[:n]]
-    s2_tiles = _winners_first(ALIGNED_S2, TAIL_S2_WINNERS + OCCUPANCY_S2)[:n]
-    s2 = [replace(base, stage2=kc(c, sw)) for c, sw in product(s2_tiles, (True, False))]
+    s1 = [replace(base, stage1=kc(c)) for c in _winners_first(ALIGNED_S1, TAIL_S1_WINNERS)[:n]]
+    s2_tiles = _winners_first(ALIGNED_S2, TAIL_S2_WINNERS)[:n]
+    s2 = [replace(base, stage2=kc(c), stage2_block_m=bm2) for c in TAIL_S2_TILES[:n] for bm2 in (None, base.stage2_block_m)]
+    s2 += [replace(base, stage2=kc(c, sw)) for c, sw in product(s2_tiles, (True, False))]
     s2 += [replace(base, stage2=kc(c), stage2_block_m=None) for c in s2_tiles]
     s2 = [replace(c, stage2=_fit_k(c.stage2, inter)) for c in s2]
     s1 = [c for c in s1 if valid(c, hidden, inter)]
