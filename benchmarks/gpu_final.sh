@@ -14,8 +14,8 @@
 #   bash benchmarks/gpu_final.sh s2tiles OUT # 4096+: swapped stage 2 taking 28 N tiles per program (tail
 #                                            # blocks or its own 128-row ones) beside the table's, TP8 and
 #                                            # TP16, MXFP4 and int4 (results/h200-2026-12-03-s2/ candidates)
-#   bash benchmarks/gpu_final.sh s2final OUT # its TP8 MXFP4 step, the winners applied to the table, then
-#                                            # ours vs Humming and triton_kernels, and the TP8 checks
+#   bash benchmarks/gpu_final.sh s2final OUT # ours vs Humming and triton_kernels, the TP8 checks, then
+#                                            # its TP8 MXFP4 step and the winners applied to the table
 # OUT holds at most 5 files per part (the device tool brings back 8).
 set -u
 PART=${1:?part2, recheck, int4bench, tp16, retune_tp8, large, s2tiles or s2final}
@@ -91,16 +91,17 @@ case "$PART" in
     step s2_int4_tp16 ${S2_S:-150} python3 benchmarks/pair_variants.py --shape tp16 --formats int4 --tokens 4096,16384 \
         --configs $C/s2_candidates_int4_tp16.json --out "$OUT/s2_int4_tp16.json"
     ;;
-  s2final)  # s2tiles' TP8 MXFP4 step, its winners applied here, then the side-by-side bench and the checks
+  s2final)  # the side-by-side bench and checks on the table as committed, then s2tiles' TP8 MXFP4 step
+    # (plain_inter beside each many-tile config) and its winners applied to a copy of the table
     C=benchmarks/results/h200-2026-12-03-s2
-    step s2_tp8 ${S2_S:-120} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 --tokens 4096,16384 \
-        --per-launch --configs $C/s2_candidates_5.json --out "$OUT/s2_tp8_5.json"
-    step apply ${APPLY_S:-20} python3 benchmarks/apply_variants.py "$OUT/s2_tp8_5.json" --source $C/
-    cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
     OUT="$OUT" SHAPE=tp8 PEERS=${PEERS:-humming,triton_kernels} BENCH_S=${BENCH_S:-200} \
         step bench_tp8 $((${BENCH_S:-200} + 30)) bash benchmarks/gpu_bench.sh
     step check_tp8 ${CHECK_S:-120} python3 benchmarks/check_gpu.py --sections bf16 \
         --tokens 1,3,16,64,257,1024,4096,16384 --out "$OUT/check_tp8.json"
+    step s2_tp8 ${S2_S:-120} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 --tokens 4096,16384 \
+        --per-launch --configs $C/s2_candidates_5.json --out "$OUT/s2_tp8_5.json"
+    step apply ${APPLY_S:-20} python3 benchmarks/apply_variants.py "$OUT/s2_tp8_5.json" --source $C/
+    cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
