@@ -97,7 +97,7 @@ case "$PART" in
     OUT="$OUT" SHAPE=tp8 PEERS=${PEERS:-humming,triton_kernels} BENCH_S=${BENCH_S:-200} \
         step bench_tp8 $((${BENCH_S:-200} + 30)) bash benchmarks/gpu_bench.sh
     step check_tp8 ${CHECK_S:-120} python3 benchmarks/check_gpu.py --sections bf16 \
-        --tokens 1,3,16,64,257,1024,4096,16384 --out "$OUT/check_tp8.json"
+        --tokens ${CHECK_TOKENS:-1,3,16,64,257,1024,4096,16384} --out "$OUT/check_tp8.json"
     step s2_tp8 ${S2_S:-120} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 --tokens 4096,16384 \
         --per-launch --configs $C/s2_candidates_5.json --out "$OUT/s2_tp8_5.json"
     step apply ${APPLY_S:-20} python3 benchmarks/apply_variants.py "$OUT/s2_tp8_5.json" --source $C/
