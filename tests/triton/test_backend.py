@@ -284,7 +284,8 @@ TAIL_S2_TILES_PLAIN = replace(TAIL_S2_TILES, stage2=replace(TAIL_S2_TILES.stage2
 TAIL_S2_TILES_INTERLEAVE = replace(TAIL_INTERLEAVE, stage2=replace(TAIL_INTERLEAVE.stage2, block_n=32, block_k=32,
                                                                    n_tiles=3))
 TAILS = {"pairs": TAIL_PAIRS, "stacked": TAIL_STACKED, "interleave": TAIL_INTERLEAVE, "worddots": TAIL_WORDDOTS,
-         "split-s1-tail": SPLIT_S1_TAIL, "split-s2-tail": SPLIT_S2_TAIL, "s2-tiles": TAIL_S2_TILES, "s2-tiles-plain-inter": TAIL_S2_TILES_PLAIN,
+         "split-s1-tail": SPLIT_S1_TAIL, "split-s2-tail": SPLIT_S2_TAIL, "s2-tiles": TAIL_S2_TILES,
+         "s2-tiles-plain-inter": TAIL_S2_TILES_PLAIN,
          "s2-tiles-interleave": TAIL_S2_TILES_INTERLEAVE}
 
 

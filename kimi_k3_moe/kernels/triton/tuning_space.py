@@ -172,7 +172,8 @@ def _tail_candidates(base_h: MoEConfig, bm: int, hidden: int, inter: int, n: int
                    stage2=replace(base_h.stage2, swap=False), stage2_block_m=SPLIT_STAGE2_BLOCK_M)
     s1 = [replace(base, stage1=kc(c)) for c in _winners_first(ALIGNED_S1, TAIL_S1_WINNERS)[:n]]
     s2_tiles = _winners_first(ALIGNED_S2, TAIL_S2_WINNERS)[:n]
-    s2 = [replace(base, stage2=kc(c), stage2_block_m=bm2) for c in TAIL_S2_TILES[:n] for bm2 in (None, base.stage2_block_m)]
+    s2 = [replace(base, stage2=kc(c), stage2_block_m=bm2)
+          for c in TAIL_S2_TILES[:n] for bm2 in (None, SPLIT_STAGE2_BLOCK_M)]
     s2 += [replace(base, stage2=kc(c, sw)) for c, sw in product(s2_tiles, (True, False))]
     s2 += [replace(base, stage2=kc(c), stage2_block_m=None) for c in s2_tiles]
     s2 = [replace(c, stage2=_fit_k(c.stage2, inter)) for c in s2]

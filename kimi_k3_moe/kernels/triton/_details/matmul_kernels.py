@@ -149,7 +149,7 @@ def _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, INTERLEAVE: tl.conste
     """The activations of the K step at k0 in the config's K order, as `_dot_step` takes them:
     (x,) in pair order, (xa, xb) for the interleaved halves, else the eight word views."""
     if PAIRS:
-        return (cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16),)
+        return _load_x_pairs(x_plain, row_ok, k0, False)
     elif INTERLEAVE:
         xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
         xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
@@ -368,9 +368,12 @@ def stage1_aligned_kernel(
             BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
     # pair order swapped in registers needs whole 32-groups in the tile; a 16-wide one scatters
     SWAP_OUT: tl.constexpr = OUT_PAIRS and BLOCK_N % 32 == 0
-    if OUT_PAIRS and not SWAP_OUT:
-        dest = pair_order(offs_n)
-    elif OUT_BLOCK_K > 0 and not OUT_PAIRS:
+    if OUT_PAIRS:
+        if SWAP_OUT:
+            dest = offs_n
+        else:
+            dest = pair_order(offs_n)
+    elif OUT_BLOCK_K > 0:
         dest = word_position(offs_n, OUT_BLOCK_K)
     else:
         dest = offs_n
