@@ -16,9 +16,13 @@
 #                                            # TP16, MXFP4 and int4 (results/h200-2026-12-03-s2/ candidates)
 #   bash benchmarks/gpu_final.sh s2final OUT # ours vs Humming and triton_kernels, the TP8 checks, then
 #                                            # its TP8 MXFP4 step and the winners applied to the table
-# OUT holds at most 5 files per part (the device tool brings back 8).
+#   bash benchmarks/gpu_final.sh s2all OUT   # s2tiles' four steps with plain_inter, each applied at once,
+#                                            # then ours vs Humming and triton_kernels at TP8, TP16 and
+#                                            # EP16 on that table, and the TP8 / TP16 checks
+# OUT holds at most 5 files per part (the device tool brings back 8); with TAR_TO set, every step
+# also re-packs OUT into that one file, so a call cut short still brings back what finished.
 set -u
-PART=${1:?part2, recheck, int4bench, tp16, retune_tp8, large, s2tiles or s2final}
+PART=${1:?part2, recheck, int4bench, tp16, retune_tp8, large, s2tiles, s2final or s2all}
 OUT=${2:?output folder}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -30,6 +34,7 @@ step() {  # step NAME SECONDS CMD...
   local t0=$SECONDS
   timeout -k 5 "$secs" "$@" >> "$LOG" 2>&1
   echo "== $name rc=$? in $((SECONDS - t0))s" | tee -a "$LOG"
+  if [ -n "${TAR_TO:-}" ]; then tar -cf "$TAR_TO" -C "$OUT" .; fi
 }
 {
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
@@ -102,6 +107,26 @@ case "$PART" in
         --per-launch --configs $C/s2_candidates_5.json --out "$OUT/s2_tp8_5.json"
     step apply ${APPLY_S:-20} python3 benchmarks/apply_variants.py "$OUT/s2_tp8_5.json" --source $C/
     cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
+    ;;
+  s2all)
+    C=benchmarks/results/h200-2026-12-03-s2
+    APPLIED=${SOURCE:-$C/}
+    for run in "tp8 mxfp4 s2_candidates_5 --per-launch" "tp8 int4 s2_candidates_int4_tp8" \
+               "tp16 mxfp4 s2_candidates_mxfp4_tp16" "tp16 int4 s2_candidates_int4_tp16"; do
+      set -- $run
+      step "s2_$1_$2" ${S2_S:-75} python3 benchmarks/pair_variants.py --shape $1 --formats $2 --tokens 4096,16384 \
+          ${4:-} --configs $C/$3.json --out "$OUT/s2_$1_$2.json"
+      step "apply_$1_$2" ${APPLY_S:-20} python3 benchmarks/apply_variants.py "$OUT/s2_$1_$2.json" --source "$APPLIED"
+    done
+    cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
+    for shape in tp8 tp16 ep16; do
+      OUT="$OUT" SHAPE=$shape OURS=triton,triton:int4 PEERS=${PEERS:-humming,triton_kernels} \
+          BENCH_S=${BENCH_S:-100} step bench_$shape $((${BENCH_S:-100} + 20)) bash benchmarks/gpu_bench.sh
+    done
+    for shape in tp8 tp16; do
+      step check_$shape ${CHECK_S:-100} python3 benchmarks/check_gpu.py --sections bf16 --shape $shape \
+          --tokens ${CHECK_TOKENS:-1,3,16,64,257,1024,4096,16384} --out "$OUT/check_$shape.json"
+    done
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
