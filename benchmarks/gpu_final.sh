@@ -19,10 +19,13 @@
 #   bash benchmarks/gpu_final.sh s2all OUT   # s2tiles' four steps with plain_inter, each applied at once,
 #                                            # then ours vs Humming and triton_kernels at TP8, TP16 and
 #                                            # EP16 on that table, and the TP8 / TP16 checks
+#   bash benchmarks/gpu_final.sh s1tiles OUT # 4096+: the TP8 MXFP4 entries with each stage-1 tile that compiles
+#                                            # for sm_90 without spills (results/h200-2026-12-03-s3/s1_tiles.json),
+#                                            # winners applied, then ours vs the peers at TP8 and its check
 # OUT holds at most 5 files per part (the device tool brings back 8); with TAR_TO set, every step
 # also re-packs OUT into that one file, so a call cut short still brings back what finished.
 set -u
-PART=${1:?part2, recheck, int4bench, tp16, retune_tp8, large, s2tiles, s2final or s2all}
+PART=${1:?part2, recheck, int4bench, tp16, retune_tp8, large, s2tiles, s2final, s2all or s1tiles}
 OUT=${2:?output folder}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -127,6 +130,17 @@ case "$PART" in
       step check_$shape ${CHECK_S:-100} python3 benchmarks/check_gpu.py --sections bf16 --shape $shape \
           --tokens ${CHECK_TOKENS:-1,3,16,64,257,1024,4096,16384} --out "$OUT/check_$shape.json"
     done
+    ;;
+  s1tiles)
+    step s1_tp8 ${S1_S:-240} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 --tokens 4096,16384 \
+        --stage1-tiles benchmarks/results/h200-2026-12-03-s3/s1_tiles.json --out "$OUT/s1_tp8.json"
+    step apply ${APPLY_S:-20} python3 benchmarks/apply_variants.py "$OUT/s1_tp8.json" \
+        --source "${SOURCE:-benchmarks/results/h200-2026-12-03-s3/}"
+    cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
+    OUT="$OUT" SHAPE=tp8 OURS=triton PEERS=${PEERS:-humming,triton_kernels} TOKENS=${TOKENS:-1024,4096,16384} \
+        BENCH_S=${BENCH_S:-100} step bench_tp8 $((${BENCH_S:-100} + 20)) bash benchmarks/gpu_bench.sh
+    step check_tp8 ${CHECK_S:-80} python3 benchmarks/check_gpu.py --sections bf16 \
+        --tokens ${CHECK_TOKENS:-4096,16384} --out "$OUT/check_tp8.json"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

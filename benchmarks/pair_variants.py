@@ -5,8 +5,8 @@ CUDA-graph replay with L2 flushed before it, median of --reps, with the copy ban
 this run; each candidate's output is compared with the baseline's (relative L2) and
 discarded above 1e-2.
 
-    python benchmarks/pair_variants.py [--tokens 16,64,...] [--formats mxfp4,int4] [--out F] [--configs F]
-                                       [--per-launch]
+    python benchmarks/pair_variants.py [--tokens 16,64,...] [--formats mxfp4,int4] [--out F]
+                                       [--configs F | --stage1-tiles F] [--per-launch]
 
 --per-launch also times the graphs of each config's first i launches (L2 flushed before each), so a
 row says what each launch adds, its gap to the one before included.
@@ -81,6 +81,21 @@ def _tile_name(t) -> str:
                                        PLAIN_INTER: "plain"}[order] + "".join(f"t{n}" for n in tiles))
 
 
+def stage1_variants(base: MoEConfig, tiles: list, hidden: int, inter: int) -> dict[str, MoEConfig]:
+    """The config with each stage-1 tile [block_n, block_k, warps, stages] instead of its own (the
+    rest, stage 2 included, kept); tiles invalid for the config are left out."""
+    out = {}
+    for bn, bk, w, st in tiles:
+        cfg = replace(base, stage1=replace(base.stage1, block_n=bn, block_k=bk, num_warps=w, num_stages=st))
+        try:
+            cfg = cfg.validate(hidden, inter)
+        except ValueError:
+            continue
+        if cfg != base:
+            out[f"s1n{bn}k{bk}w{w}s{st}"] = cfg
+    return out
+
+
 def _tp8_aligned(tokens: int, hidden: int) -> dict[str, MoEConfig]:
     """The TP8 MXFP4 table's config at `tokens` when it is an aligned one (TP16's GEMV tiers)."""
     from kimi_k3_moe.configs import triton_table as tt
@@ -145,6 +160,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default="results/pair_variants.json")
     ap.add_argument("--configs", help="JSON {tokens: {name: MoEConfig json}} timed instead of the generated candidates")
+    ap.add_argument("--stage1-tiles", help="JSON {tokens: [[block_n, block_k, warps, stages], ...]}: the table's "
+                    "config with each stage-1 tile instead (whatever the table holds when the run starts)")
     ap.add_argument("--per-launch", action="store_true",
                     help="time what each launch of every config adds (prefix graphs)")
     args = ap.parse_args()
@@ -170,6 +187,10 @@ def main() -> int:
             plans = {t: {"table": be.lookup(p, t).config,
                          **{n: MoEConfig.from_json(c).validate(h, i) for n, c in given.get(str(t), {}).items()}}
                      for t in tokens}
+        elif args.stage1_tiles:
+            given = json.load(open(args.stage1_tiles))
+            plans = {t: {"table": be.lookup(p, t).config,
+                         **stage1_variants(be.lookup(p, t).config, given.get(str(t), []), h, i)} for t in tokens}
         else:
             plans = {t: {"table": be.lookup(p, t).config, **variants(be.lookup(p, t).config, t, h, i)} for t in tokens}
         act = (situ.name, situ.beta, situ.linear_beta)
