@@ -113,7 +113,7 @@ case "$PART" in
     ;;
   s2all)
     C=benchmarks/results/h200-2026-12-03-s2
-    APPLIED=${SOURCE:-$C/}
+    APPLIED=${SOURCE:-benchmarks/results/h200-2026-12-03-s3/}
     for run in "tp8 mxfp4 s2_candidates_5 --per-launch" "tp8 int4 s2_candidates_int4_tp8" \
                "tp16 mxfp4 s2_candidates_mxfp4_tp16" "tp16 int4 s2_candidates_int4_tp16"; do
       set -- $run
