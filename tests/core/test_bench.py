@@ -89,6 +89,20 @@ def test_alignment_matches_its_contract(gen):
     assert all(x == n for x in sorted_ids[total:].tolist())
 
 
+def test_alignment_skips_other_ranks_pairs(gen):
+    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(11)]).int()
+    local = torch.where(ids < 5, ids, -1)  # experts 5..7 live on another rank
+    block = 4
+    sorted_ids, expert_ids, padded = align_block_size(local, block, 5)
+    flat = local.reshape(-1).tolist()
+    n, total = len(flat), int(padded)
+    assert sorted(x for x in sorted_ids[:total].tolist() if x != n) == [i for i, e in enumerate(flat) if e >= 0]
+    for b in range(total // block):
+        rows = [x for x in sorted_ids[b * block:(b + 1) * block].tolist() if x != n]
+        assert rows and all(flat[x] == int(expert_ids[b]) for x in rows)
+    assert all(x == n for x in sorted_ids[total:].tolist())
+
+
 def test_humming_activation_snippet_carries_the_betas_and_differs_from_silu():
     situ = humming_activation(SITU)
     silu = humming_activation(ActivationSpec.silu())

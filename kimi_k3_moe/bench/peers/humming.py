@@ -75,9 +75,6 @@ class HummingPeer(Peer):
         return True, f"humming-kernels {version}{note}"
 
     def build(self, experts, activation, shape, expert_map) -> Runner:
-        if expert_map is not None:
-            raise PeerUnavailable("engine path: not available (vLLM runs Humming's grouped GEMM under EP; "
-                                  "only the indexed (TP) path is adapted)")
         act_kwargs = humming_activation(activation)
         try:
             from humming.config import GemmType
@@ -119,10 +116,12 @@ class HummingPeer(Peer):
         cfg2, t2, tune2, tune2_s, hadamard2 = layers["w2"]
 
         def route(weights, ids):
+            # EP: ids through the expert map, other ranks' pairs skipped by the alignment and the sum
+            local = ids if expert_map is None else expert_map[ids.long()].to(torch.int32)
             pairs = ids.numel()
             b1, b2 = _block_for(tune13, pairs), _block_for(tune2, pairs)
-            a1 = align_block_size(ids, b1, e)
-            return weights, ids, a1, a1 if b2 == b1 else align_block_size(ids, b2, e)
+            a1 = align_block_size(local, b1, e)
+            return weights, local, a1, a1 if b2 == b1 else align_block_size(local, b2, e)
 
         def gemm(cfg, tensors, inputs, outputs, align, top_k, tuning_s, pairs):
             sorted_ids, expert_ids, padded = align
@@ -134,8 +133,8 @@ class HummingPeer(Peer):
                                    compute_config=compute, tuning_config=tuning_s)
 
         def run(hidden, routed):
-            weights, ids, a1, a2 = routed
-            t, k = ids.shape
+            weights, local, a1, a2 = routed
+            t, k = local.shape
             pairs = t * k
             x, _, _ = may_process_input(cfg13, inputs=hidden)  # bf16 in, no quantization: passes through
             gate_up = torch.empty(pairs, 2 * i, dtype=bf16, device=hidden.device)
@@ -145,7 +144,8 @@ class HummingPeer(Peer):
                                         layout="normal", **act_kwargs)
             down = torch.empty(pairs, h, dtype=bf16, device=hidden.device)
             gemm(cfg2, t2, y, down, a2, 1, tune2_s, pairs)
-            return weighted_topk_sum(down.view(t, k, h), weights, torch.empty_like(hidden))
+            return weighted_topk_sum(down.view(t, k, h), weights, torch.empty_like(hidden),
+                                     None if expert_map is None else local)
         return Runner(run=run, activation=activation, route=route, route_in_timing=False,
                       notes=["Humming alignment (our PyTorch stand-in for vLLM's one-kernel moe_align_block_size) "
                              "timed separately, not in the figure"])
