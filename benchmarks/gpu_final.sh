@@ -31,6 +31,7 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 LOG="$OUT/$PART.log"
+S3=benchmarks/results/h200-2026-12-03-s3  # where the s2all / s1tiles runs of 2026-12-03 are kept
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "== $name (limit ${secs}s) $(date +%T)" | tee -a "$LOG"
@@ -113,7 +114,7 @@ case "$PART" in
     ;;
   s2all)
     C=benchmarks/results/h200-2026-12-03-s2
-    APPLIED=${SOURCE:-benchmarks/results/h200-2026-12-03-s3/}
+    APPLIED=${SOURCE:-$S3/}
     for run in "tp8 mxfp4 s2_candidates_5 --per-launch" "tp8 int4 s2_candidates_int4_tp8" \
                "tp16 mxfp4 s2_candidates_mxfp4_tp16" "tp16 int4 s2_candidates_int4_tp16"; do
       set -- $run
@@ -133,9 +134,9 @@ case "$PART" in
     ;;
   s1tiles)
     step s1_tp8 ${S1_S:-240} python3 benchmarks/pair_variants.py --shape tp8 --formats mxfp4 --tokens 4096,16384 \
-        --stage1-tiles benchmarks/results/h200-2026-12-03-s3/s1_tiles.json --out "$OUT/s1_tp8.json"
+        --stage1-tiles $S3/s1_tiles.json --out "$OUT/s1_tp8.json"
     step apply ${APPLY_S:-20} python3 benchmarks/apply_variants.py "$OUT/s1_tp8.json" \
-        --source "${SOURCE:-benchmarks/results/h200-2026-12-03-s3/}"
+        --source "${SOURCE:-$S3/}"
     cp kimi_k3_moe/configs/tables/triton_nvidia_h200.json "$OUT/"
     OUT="$OUT" SHAPE=tp8 OURS=triton PEERS=${PEERS:-humming,triton_kernels} TOKENS=${TOKENS:-1024,4096,16384} \
         BENCH_S=${BENCH_S:-100} step bench_tp8 $((${BENCH_S:-100} + 20)) bash benchmarks/gpu_bench.sh

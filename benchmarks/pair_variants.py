@@ -27,10 +27,16 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
     """Variants of an aligned config at `tokens`, valid for the shape (a GEMV tier gets the TP8
     table's aligned config at the same count); stage-2 K steps that do not divide I (TP16: 192)
     become 64 wide."""
+    fitted = {name: replace(cfg, stage2=replace(cfg.stage2, block_k=64)) if inter % cfg.stage2.block_k else cfg
+              for name, cfg in _candidates(base, tokens, hidden).items()}
+    return _valid_variants(base, fitted, hidden, inter)
+
+
+def _valid_variants(base: MoEConfig, variants: dict[str, MoEConfig], hidden: int,
+                    inter: int) -> dict[str, MoEConfig]:
+    """The variants that validate for the shape, less the base and repeats."""
     out = {}
-    for name, cfg in _candidates(base, tokens, hidden).items():
-        if inter % cfg.stage2.block_k:
-            cfg = replace(cfg, stage2=replace(cfg.stage2, block_k=64))
+    for name, cfg in variants.items():
         try:
             cfg = cfg.validate(hidden, inter)
         except ValueError:
@@ -38,8 +44,6 @@ def candidates(base: MoEConfig, tokens: int, hidden: int = 3584, inter: int = 38
         if cfg != base and cfg not in out.values():
             out[name] = cfg
     return out
-
-
 
 
 def _candidates(base: MoEConfig, tokens: int, hidden: int) -> dict[str, MoEConfig]:
@@ -84,16 +88,10 @@ def _tile_name(t) -> str:
 def stage1_variants(base: MoEConfig, tiles: list, hidden: int, inter: int) -> dict[str, MoEConfig]:
     """The config with each stage-1 tile [block_n, block_k, warps, stages] instead of its own (the
     rest, stage 2 included, kept); tiles invalid for the config are left out."""
-    out = {}
-    for bn, bk, w, st in tiles:
-        cfg = replace(base, stage1=replace(base.stage1, block_n=bn, block_k=bk, num_warps=w, num_stages=st))
-        try:
-            cfg = cfg.validate(hidden, inter)
-        except ValueError:
-            continue
-        if cfg != base:
-            out[f"s1n{bn}k{bk}w{w}s{st}"] = cfg
-    return out
+    return _valid_variants(base, {
+        f"s1n{bn}k{bk}w{w}s{st}": replace(base, stage1=replace(base.stage1, block_n=bn, block_k=bk, num_warps=w,
+                                                                num_stages=st))
+        for bn, bk, w, st in tiles}, hidden, inter)
 
 
 def _tp8_aligned(tokens: int, hidden: int) -> dict[str, MoEConfig]:

@@ -75,32 +75,28 @@ def test_rows_are_checked_then_timed_and_reported(seed, tmp_path):
     report.render(back)
 
 
-def test_alignment_matches_its_contract(gen):
-    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(11)]).int()
-    block = 4
-    sorted_ids, expert_ids, padded = align_block_size(ids, block, 8)
+def _check_alignment(ids, block, num_experts):
+    """align_block_size's contract: every pair with an id >= 0 in exactly one block of its expert,
+    padding (and pairs of other ranks, id < 0) as the sentinel T*K, whole blocks."""
+    sorted_ids, expert_ids, padded = align_block_size(ids, block, num_experts)
     flat = ids.reshape(-1).tolist()
-    n = len(flat)
-    total = int(padded)
-    assert total % block == 0 and sorted(x for x in sorted_ids[:total].tolist() if x != n) == list(range(n))
-    for b in range(total // block):
-        rows = [x for x in sorted_ids[b * block:(b + 1) * block].tolist() if x != n]
-        assert rows and all(flat[x] == int(expert_ids[b]) for x in rows)
-    assert all(x == n for x in sorted_ids[total:].tolist())
-
-
-def test_alignment_skips_other_ranks_pairs(gen):
-    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(11)]).int()
-    local = torch.where(ids < 5, ids, -1)  # experts 5..7 live on another rank
-    block = 4
-    sorted_ids, expert_ids, padded = align_block_size(local, block, 5)
-    flat = local.reshape(-1).tolist()
     n, total = len(flat), int(padded)
+    assert total % block == 0
     assert sorted(x for x in sorted_ids[:total].tolist() if x != n) == [i for i, e in enumerate(flat) if e >= 0]
     for b in range(total // block):
         rows = [x for x in sorted_ids[b * block:(b + 1) * block].tolist() if x != n]
         assert rows and all(flat[x] == int(expert_ids[b]) for x in rows)
     assert all(x == n for x in sorted_ids[total:].tolist())
+
+
+def test_alignment_matches_its_contract(gen):
+    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(11)]).int()
+    _check_alignment(ids, 4, 8)
+
+
+def test_alignment_skips_other_ranks_pairs(gen):
+    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(11)]).int()
+    _check_alignment(torch.where(ids < 5, ids, -1), 4, 5)  # experts 5..7 live on another rank
 
 
 def test_humming_activation_snippet_carries_the_betas_and_differs_from_silu():
