@@ -98,8 +98,8 @@ test-sglang: venv-sglang
 	env -u SGLANG_USE_CPU_ENGINE -u SGLANG_PLUGINS $(SGLANG_VENV)/bin/python -m pytest tests/engines/sglang
 	$(call drop,$(SGLANG_VENV))
 
-# FlyDSL kernels, compile-only (no AMD GPU needed): a venv with flydsl and zig's
-# linker, an ld.lld stand-in under .tools/, the CPU emulation and compile checks,
+# FlyDSL kernels, compile-only (no AMD GPU needed): a venv with flydsl, zig's linker and
+# Triton (the forward's alignment and top-k sum run under its interpreter here), an ld.lld stand-in under .tools/, the CPU emulation and compile checks,
 # then the resource table of docs/PERF.md from what was compiled.
 FLYDSL_VENV ?= .venv-flydsl
 FLYDSL_SPEC ?= flydsl==0.5.0
@@ -109,7 +109,7 @@ FLYDSL_OUT ?= out/flydsl
 $(FLYDSL_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(FLYDSL_VENV)
 	$(FLYDSL_VENV)/bin/pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
-	$(FLYDSL_VENV)/bin/pip install $(PIP_FLAGS) "$(FLYDSL_SPEC)" -e ".[test,flydsl]"
+	$(FLYDSL_VENV)/bin/pip install $(PIP_FLAGS) "$(FLYDSL_SPEC)" -e ".[test,flydsl,triton]"
 	touch $@
 
 $(FLYDSL_ROCM)/llvm/bin/ld.lld: $(FLYDSL_VENV)/.installed

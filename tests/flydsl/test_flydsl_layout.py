@@ -1,4 +1,4 @@
-"""The shared index/decode arithmetic and the token alignment, on the CPU."""
+"""The shared index/decode arithmetic and the direct layout, on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,6 @@ import torch
 
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels.flydsl import layout as L
-from kimi_k3_moe.kernels.flydsl.align import align_tokens, padded_rows
 
 
 def test_int4_shift_decode_is_twos_complement_for_every_nibble_and_position(gen):
@@ -82,37 +81,14 @@ def test_lds_staging_covers_each_tile_byte_once_and_reads_stay_inside():
             assert torch.equal(L.staged_act_byte_offset(row, 0, cc, 128 * U), (row * 128 * U + cc * 8) * 2)
 
 
-# ------------------------------------------------------------------ alignment
-@pytest.mark.parametrize("tokens, top_k, experts, block_m", [(1, 16, 64, 16), (37, 4, 6, 16), (200, 8, 12, 32),
-                                                             (5, 2, 100, 64)])
-def test_alignment_places_each_local_slot_once_in_its_experts_blocks(gen, tokens, top_k, experts, block_m):
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
-    ids[torch.rand(ids.shape, generator=gen) < 0.2] = -1                     # slots of other ranks
-    routing = align_tokens(ids, experts, block_m)
-    S = tokens * top_k
-    P = routing.num_rows
-    assert P == padded_rows(S, experts, block_m) and P % block_m == 0
-    slots = routing.sorted_slots.long()
-    real = slots[slots < S]
-    local = ids.reshape(-1) >= 0
-    assert torch.equal(real.sort().values, torch.nonzero(local).flatten())   # each local slot exactly once
-    assert bool((slots[slots >= S] == S).all())                              # padding holds the sentinel
-    block_of_row = torch.arange(P) // block_m
-    owner = routing.block_expert.long()[block_of_row]
-    assert torch.equal(owner[slots < S], ids.reshape(-1)[real])              # rows sit in their expert's blocks
-    used = routing.block_expert >= 0
-    first_unused = int((~used).nonzero()[0]) if bool((~used).any()) else used.numel()
-    assert bool(used[:first_unused].all()) and not bool(used[first_unused:].any())
-    assert bool((routing.block_expert[:first_unused].diff() >= 0).all())     # experts in order
-    # within an expert, slots keep their order (deterministic, stable)
-    for e in range(experts):
-        rows = slots[(owner == e) & (slots < S)]
-        assert bool((rows.diff() > 0).all())
-
-
-def test_alignment_of_a_routing_with_no_local_slot():
-    routing = align_tokens(torch.full((3, 2), -1), 4, 16)
-    assert bool((routing.block_expert == -1).all()) and bool((routing.sorted_slots == 6).all())
+# ------------------------------------------------------------------ direct layout
+def test_direct_layout_puts_pair_b_alone_on_the_first_row_of_block_b():
+    pairs, sentinel = 37, 37 * 4
+    p = torch.arange(pairs * L.MFMA_TILE)
+    slots = L.direct_row_slot(p, sentinel)
+    first = p % L.MFMA_TILE == 0
+    assert torch.equal(slots[first], torch.arange(pairs)) and bool((slots[~first] == sentinel).all())
+    assert L.direct_row_slot(5 * L.MFMA_TILE, 99) == 5 and L.direct_row_slot(5 * L.MFMA_TILE + 15, 99) == 99
 
 
 # ------------------------------------------------------------------ quantized activations (gfx950)

@@ -4,7 +4,7 @@ Compiled for gfx942 and gfx950; never run on AMD hardware here (docs/FLYDSL.md).
 
 Public modules: `config` (one kernel specialisation), `tiles` (tile table and
 lookup), `layout` (index and decode arithmetic shared by the kernels and the CPU
-emulator), `align` (token alignment), `experts` (the prepared weights),
+emulator), `experts` (the prepared weights),
 `pipeline` (the forward pass around the kernels), `emulator` (CPU stand-in for
 the kernels), `build` / `toolchain` / `artifacts` / `sweep` (compiling and
 inspecting), `backend` (the MoEBackend). Kernel bodies live in `_details/`.

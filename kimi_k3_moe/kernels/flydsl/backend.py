@@ -85,6 +85,10 @@ class FlyDSLBackend(MoEBackend):
             importlib.import_module("flydsl.compiler")
         except Exception as exc:   # flydsl missing, or numpy (an undeclared dependency) missing
             return False, f"flydsl does not import here ({type(exc).__name__}: {exc}); pip install 'kimi-k3-moe[flydsl]'"
+        try:
+            importlib.import_module("triton")
+        except Exception as exc:   # the forward's alignment and top-k sum are Triton kernels
+            return False, f"triton does not import here ({type(exc).__name__}: {exc}); the ROCm torch wheels bring it"
         if not is_rocm():
             return False, f"torch {torch.__version__} is not a ROCm build: FlyDSL kernels need an AMD GPU"
         if not torch.cuda.is_available():

@@ -68,6 +68,10 @@ class KernelConfig:
     reduce: str = "slots"               # stage 2: "slots" (deterministic) | "atomic" (fp32 adds)
     split_k: int = 1                    # stage 2 with atomic reduce only
     act_dtype: str = BF16               # "bf16" | "fp8" | "fp4": this stage's input (stage 1 also its output)
+    # direct layout: block b is (token, slot) pair b alone (row 0; the rest padding) and BE holds the
+    # routed ids as given, so no alignment runs; ids outside [0, num_experts) read nothing
+    direct: bool = False
+    num_experts: int = 0                # direct only: the bound every id is checked against
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
@@ -91,6 +95,7 @@ class KernelConfig:
         self._check_activation()
         self._check_reduction()
         self._check_act_dtype()
+        self._check_direct()
 
     # ------------------------------------------------------------------ checks
     def _check_tile(self) -> None:
@@ -158,6 +163,19 @@ class KernelConfig:
             raise ValueError(f"stage 1 with {self.act_dtype} quantizes its output per 32 columns: n_rep must be "
                              f"even (a wave's pair of 16-column sub-tiles is one scale group), got {self.n_rep}")
 
+    def _check_direct(self) -> None:
+        if not self.direct:
+            if self.num_experts:
+                raise ValueError("num_experts is the direct layout's id bound; set it only with direct=True")
+            return
+        if self.BM != layout.MFMA_TILE:
+            raise ValueError(f"the direct layout puts one pair in each block of {layout.MFMA_TILE} rows, "
+                             f"got BM={self.BM}")
+        if self.quantized:
+            raise ValueError("the direct layout is built for bf16 activations; quantized ones are aligned")
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise ValueError(f"direct layout needs num_experts >= 1 (the id bound), got {self.num_experts!r}")
+
     # ------------------------------------------------------------------ derived
     @property
     def quantized(self) -> bool:
@@ -210,7 +228,8 @@ class KernelConfig:
         if self.weight_format == INT4 and self.int4_decode != "shift":
             fmt += f"_{self.int4_decode}"
         tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
-                + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else ""))
+                + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else "")
+                + (f"_dir{self.num_experts}" if self.direct else ""))
         name = (f"k3moe_s{self.stage}_{self.arch}_{fmt}_n{self.N}_k{self.K}_top{self.top_k}_{tile}_"
                 f"{self.activation_tag()}")
         if not _SYMBOL.fullmatch(name):   # it becomes an assembler symbol and a folder name

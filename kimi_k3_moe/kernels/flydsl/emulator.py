@@ -272,9 +272,12 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
         out = _Buffer(Y, "SLOTS" if cfg.reduce == "slots" else "ACC", records=num_tokens * per_token)
     act = (act, act_s)
     s_bytes = 2 if cfg.weight_format == INT4 else 1
+    sentinel = num_tokens * cfg.top_k
     for bid_m in range(num_rows // cfg.BM):
         expert = int(BE[bid_m])
-        if expert < 0:
+        if not _live(cfg, expert):
+            if cfg.direct and not stage1 and cfg.reduce == "slots":
+                _zero_slot_row(cfg, bid_m, out, sentinel)
             continue
         code_base = L.expert_code_base(expert, R, K)
         group_base = L.expert_group_base(expert, R, K)
@@ -283,7 +286,7 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
         for bid_n in range(N // cfg.BN):
             for bid_k in range(cfg.split_k):
                 _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out,
-                           None if stage1 else tw, beta, lin_beta)
+                           None if stage1 else tw, beta, lin_beta, sentinel)
 
 
 ARG_NAMES = ("A", "W", "S", "OFS", "SID", "BE", "TW", "Y", "num_tokens", "num_rows", "beta", "lin_beta")
@@ -310,7 +313,33 @@ def _check_signature(cfg: KernelConfig, args: tuple) -> None:
             raise EmulatorError(f"{cfg.name}: argument {name} must be a Python {type(want).__name__}, got {got!r}")
 
 
-def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta):
+def _live(cfg: KernelConfig, expert: int) -> bool:
+    """The kernels' block test: -1 marks an unused aligned block; a direct block computes only for an
+    id in [0, num_experts)."""
+    return 0 <= expert < cfg.num_experts if cfg.direct else expert >= 0
+
+
+def _row_slot(cfg: KernelConfig, sid: "_Buffer", p: torch.Tensor, sentinel: int) -> torch.Tensor:
+    if cfg.direct:
+        return L.direct_row_slot(p, sentinel)
+    return _words(sid.load(L.sid_byte_offset(p), 4))[:, 0]
+
+
+def _zero_slot_row(cfg: KernelConfig, bid_m: int, out: "_Buffer", sentinel: int) -> None:
+    """A skipped direct stage-2 block stores zeros into its pair's output row (every lane as the
+    kernel's, padding rows dropped by the range check)."""
+    g, r = L.lane_split(torch.arange(L.LANES))
+    zeros = torch.zeros(L.LANES, 8, dtype=torch.uint8)
+    for bid_n in range(cfg.N // cfg.BN):
+        for wave in range(cfg.waves):
+            slot = L.direct_row_slot(L.tile_origin(bid_m, bid_n, wave, 0, 0, cfg.BM, cfg.BN, cfg.n_rep)[0] + r,
+                                     sentinel)
+            for ni in range(cfg.n_rep):
+                n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+                out.store(L.slot_out_byte_offset(slot, n0 + g * 4, cfg.N), zeros)
+
+
+def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta, sentinel):
     rw, rs, ro = bufs
     act, act_s = act
     BM, BN, K, N, U, n_rep = cfg.BM, cfg.BN, cfg.K, cfg.N, cfg.kb_unroll, cfg.n_rep
@@ -321,7 +350,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
     waves = []
     for wave in range(cfg.waves):
         p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, n_rep)[0] + r for mi in range(m_rep)]
-        slots = [_words(sid.load(L.sid_byte_offset(p), 4))[:, 0] for p in p_rows]
+        slots = [_row_slot(cfg, sid, p, sentinel) for p in p_rows]
         a_rows = [L.slot_token(s, cfg.top_k) for s in slots] if stage1 else p_rows
         w_rows = []
         for ni in range(n_rep):
@@ -330,7 +359,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
         accs = [torch.zeros(16, 16) for _ in range(len(w_rows) * m_rep)]
         waves.append((wave, p_rows, slots, a_rows, w_rows, accs))
 
-    lds_plan = _lds_plan(cfg, bid_m, sid) if cfg.a_lds else None
+    lds_plan = _lds_plan(cfg, bid_m, sid, sentinel) if cfg.a_lds else None
     for it in range(cfg.k_iters):
         kb0 = (bid_k * cfg.k_iters + it) * U
         lds = _stage_tile(cfg, act, lds_plan, kb0) if cfg.a_lds else None
@@ -424,13 +453,13 @@ def _bf16_scalar(b2: torch.Tensor) -> torch.Tensor:
     return b2.contiguous().view(torch.bfloat16)[:, 0].float()
 
 
-def _lds_plan(cfg, bid_m, sid):
+def _lds_plan(cfg, bid_m, sid, sentinel):
     tid = torch.arange(cfg.threads)
     plan = []
     for c0 in range(0, cfg.BM * 16 * cfg.kb_unroll, cfg.threads):
         row, cc = L.lds_chunk_coords(tid + c0, cfg.kb_unroll)
         p = bid_m * cfg.BM + row
-        a_row = L.slot_token(_words(sid.load(L.sid_byte_offset(p), 4))[:, 0], cfg.top_k) if cfg.stage == 1 else p
+        a_row = L.slot_token(_row_slot(cfg, sid, p, sentinel), cfg.top_k) if cfg.stage == 1 else p
         plan.append((a_row, row, cc))
     return plan
 

@@ -24,10 +24,11 @@ class FlyDSLExperts(PackedExperts):
     def kernel_args(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes, scales, offsets) of "w13" or "w2", flat as the kernels take them.
 
-        Without offsets a one-element bf16 tensor fills the offsets argument: never read,
-        but of the dtype the kernels were specialised for."""
+        Without offsets a one-element bf16 tensor fills the offsets argument: never read (so left
+        uninitialised: filling it would be a launch per forward), but of the dtype the kernels were
+        specialised for."""
         codes, scale = getattr(self, which), getattr(self, f"{which}_scale")
         offset = getattr(self, f"{which}_offset")
         if offset is None:
-            offset = torch.zeros(1, dtype=torch.bfloat16, device=codes.device)
+            offset = torch.empty(1, dtype=torch.bfloat16, device=codes.device)
         return codes.reshape(-1), scale.reshape(-1), offset.reshape(-1)

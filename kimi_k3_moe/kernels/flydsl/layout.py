@@ -68,6 +68,13 @@ def slot_token(slot, top_k):
     return slot // top_k
 
 
+def direct_row_slot(p, sentinel):
+    """Direct layout (one pair per 16-row block): the slot of sorted row p is its block's index on
+    the block's first row, the sentinel on the other 15."""
+    padding = ((p & (MFMA_TILE - 1)) + MFMA_TILE - 1) >> 4          # 0 on a block's first row, else 1
+    return (1 - padding) * (p >> 4) + padding * sentinel
+
+
 def sid_byte_offset(p):
     """Byte offset of SID[p] (int32)."""
     return p * 4

@@ -1,11 +1,17 @@
 """The FlyDSL MoE forward pass, written once for two executors.
 
-`moe_forward` aligns the routing, allocates the buffers, picks the tiles and
-calls `launch(config, args)` twice per token chunk (three times with quantized
-activations: the hidden rows are quantized first) with exactly the arguments
-of the FlyDSL launchers. On an AMD GPU `launch` runs the compiled kernels
-(backend.py); on the CPU `emulator.launch` plays them lane by lane. Everything
-around the kernels (this file) is therefore the same code in both cases.
+`moe_forward` picks the tiles, allocates the buffers and issues one forward's
+launches: at most three for a direct tier (stage 1, stage 2, the top-k sum) and
+four for an aligned one (the one-program alignment first), one more with
+quantized activations (the hidden rows are quantized first). No host
+synchronisation and no PyTorch arithmetic between them, so a forward is
+graph-capturable and its launches are exactly the kernels'. The FlyDSL stages go
+through `launch(config, args)` with exactly the arguments of the FlyDSL
+launchers: on an AMD GPU the compiled kernels (backend.py), on the CPU
+`emulator.launch`, lane by lane. The alignment and the top-k sum are Triton
+kernels (the engines' ROCm Triton compiles them; on the CPU they run under
+Triton's interpreter), so everything around the kernels is the same code in
+both cases.
 """
 from __future__ import annotations
 
@@ -16,11 +22,12 @@ import torch
 from kimi_k3_moe.act_quant import BF16
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.flydsl import tiles
-from kimi_k3_moe.kernels.flydsl.align import align_tokens
 from kimi_k3_moe.kernels.flydsl import layout
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig, runtime_betas
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
-from kimi_k3_moe.reference import check_routing, local_slots
+from kimi_k3_moe.kernels.triton.alignment import align_one_launch, direct_pairs
+from kimi_k3_moe.kernels.triton.stage2 import topk_reduce
+from kimi_k3_moe.reference import check_routing
 
 Launch = Callable[[KernelConfig | QuantConfig, tuple], None]
 INT32_LIMIT = 2**31 - 1
@@ -30,7 +37,8 @@ def max_chunk_tokens(hidden: int, inter: int, top_k: int, num_experts: int) -> i
     """Tokens per launch such that every 32-bit byte offset of every buffer stays below 2^31."""
     by_slots = INT32_LIMIT // (top_k * hidden * 2)        # SLOTS [T*k, H] bf16 (also X: T*H*2)
     by_acc = INT32_LIMIT // (hidden * 4)                  # ACC [T, H] fp32
-    by_inter = (INT32_LIMIT // (inter * 2) - num_experts * (tiles.MAX_BM - 1)) // top_k   # INTER [P, I] bf16
+    # INTER [P, I] bf16, P <= T*k + (E + 1) * BM rows (the alignment's bound; direct tiers are a few tokens)
+    by_inter = (INT32_LIMIT // (inter * 2) - (num_experts + 1) * tiles.MAX_BM) // top_k
     limit = min(by_slots, by_acc, by_inter)
     if limit < 1:
         raise ValueError(f"layer too large for 32-bit buffer offsets (H={hidden}, I={inter}, k={top_k}, "
@@ -44,17 +52,7 @@ def _quantized(elements: int, act_dtype: str, device) -> tuple[torch.Tensor, tor
             torch.empty(elements // layout.GROUP, dtype=torch.uint8, device=device))
 
 
-def _check_ids(local: torch.Tensor, num_experts: int) -> None:
-    # A host-side check costs a sync, so it is skipped while a graph is being captured.
-    if local.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    bad = (local >= num_experts) | (local < -1)
-    if bool(bad.any()):
-        raise ValueError(f"topk_ids (after expert_map) hold expert ids outside [0, {num_experts}) "
-                         f"or < -1: {local[bad][:8].tolist()}")
-
-
-def _check_pinned(configs, experts, activation, H, I, k, act_dtype):
+def _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts):
     cfg1, cfg2 = configs
     want = {"weight_format": experts.weight_format, "has_offsets": experts.has_offsets, "top_k": k,
             "act_dtype": act_dtype}
@@ -63,8 +61,13 @@ def _check_pinned(configs, experts, activation, H, I, k, act_dtype):
         if cfg.stage != stage or (cfg.N, cfg.K) != (N, K) or got != want:
             raise ValueError(f"pinned config {cfg.name} does not fit stage {stage} of this layer "
                              f"(N={N}, K={K}, {want})")
-    if cfg1.BM != cfg2.BM:
-        raise ValueError(f"pinned configs align differently (BM {cfg1.BM} vs {cfg2.BM})")
+    if cfg1.BM != cfg2.BM or cfg1.direct != cfg2.direct:
+        raise ValueError(f"pinned configs lay rows out differently (BM {cfg1.BM} vs {cfg2.BM}, "
+                         f"direct {cfg1.direct} vs {cfg2.direct})")
+    if cfg1.direct and direct_experts != cfg1.num_experts:
+        raise ValueError(f"pinned direct configs bound ids by {cfg1.num_experts} experts, but this routing "
+                         + ("needs the alignment (an expert map or int64 ids)" if direct_experts is None
+                            else f"has {direct_experts}"))
     if cfg1.BM > tiles.MAX_BM:
         raise ValueError(f"pinned BM {cfg1.BM} exceeds {tiles.MAX_BM} (buffer offsets are sized for it)")
     runtime = cfg1.activation == "situv2" and cfg1.betas == "runtime"
@@ -81,6 +84,8 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
                 act_dtype: str = BF16) -> torch.Tensor:
     """[T, H] -> [T, H] in hidden's dtype: this rank's sum over its experts.
 
+    Ids outside [0, E) after the expert map (or outside the map) contribute nothing and make no
+    kernel read anything; nothing here looks at their values on the host.
     `configs` pins the (stage 1, stage 2) kernels instead of the tile table's choice
     (tests use it to reach every variant); they must match the layer and each other.
     `act_dtype` "fp8"/"fp4" (gfx950): hidden rows and the intermediate are quantized
@@ -97,14 +102,15 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     out = torch.empty_like(hidden)
     if T == 0:
         return out
-    local = local_slots(topk_ids, expert_map)
-    _check_ids(local, E)
+    # each is a no-op for what the engines pass (bf16 rows, fp32 weights, int32 ids)
     x = hidden.to(torch.bfloat16).contiguous()
     tw = topk_weights.to(torch.float32).contiguous()
+    ids = topk_ids.contiguous()
+    # the direct layout reads ids as the kernels' int32 block experts and has no map to apply
+    direct_experts = E if expert_map is None and ids.dtype == torch.int32 else None
     w13, s13, o13 = experts.kernel_args("w13")
     w2, s2, o2 = experts.kernel_args("w2")
     step = min(chunk_tokens or T, max_chunk_tokens(H, I, k, E))
-    quantized = act_dtype != BF16
     for start in range(0, T, step):
         stop = min(T, start + step)
         n = stop - start
@@ -112,16 +118,21 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
             cfg1, cfg2 = tiles.stage_configs(arch, experts.weight_format, hidden=H, inter=I, top_k=k,
                                              num_tokens=n, activation=activation, betas=betas,
                                              has_offsets=experts.has_offsets, reduce=reduce,
-                                             act_dtype=act_dtype, table=table)
+                                             act_dtype=act_dtype, direct_experts=direct_experts, table=table)
         else:
-            cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k, act_dtype)
-            reduce = cfg2.reduce
-        routing = align_tokens(local[start:stop], E, cfg1.BM)
-        P = routing.num_rows
+            cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts)
+        chunk_ids = ids[start:stop]
+        if cfg1.direct:
+            pairs = direct_pairs(chunk_ids, None, cfg1.BM)
+            sid, block_expert, P = pairs.block_expert, pairs.block_expert, pairs.num_pairs * cfg1.BM
+        else:
+            pairs, align = align_one_launch(chunk_ids, expert_map, E, cfg1.BM)
+            align()
+            sid, block_expert, P = pairs.sorted_pairs, pairs.block_expert, pairs.max_rows
         beta, lin_beta = runtime_betas(activation) if cfg1.betas == "runtime" else (0.0, 0.0)
         weights = tw[start:stop].reshape(-1)
         # quantized kernels take two more tensors after the output: input scales, output scales
-        if quantized:
+        if cfg1.quantized:
             a1, a1_scales = _quantized(n * H, act_dtype, hidden.device)
             launch(QuantConfig(arch, act_dtype), (x[start:stop].reshape(-1), a1, a1_scales, n * H // layout.GROUP))
             inter, inter_scales = _quantized(P * I, act_dtype, hidden.device)
@@ -130,15 +141,16 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
             a1 = x[start:stop].reshape(-1)
             inter = torch.empty(P * I, dtype=torch.bfloat16, device=hidden.device)
             scales1 = scales2 = ()
-        launch(cfg1, (a1, w13, s13, o13, routing.sorted_slots, routing.block_expert,
-                      weights, inter, *scales1, n, P, beta, lin_beta))
-        if reduce == "slots":
-            y = torch.zeros(n * k * H, dtype=torch.bfloat16, device=hidden.device)
+        launch(cfg1, (a1, w13, s13, o13, sid, block_expert, weights, inter, *scales1, n, P, beta, lin_beta))
+        if cfg2.reduce == "slots":
+            # every slot row a kernel does not write belongs to a pair the top-k sum skips
+            y = torch.empty(n * k * H, dtype=torch.bfloat16, device=hidden.device)
         else:
             y = torch.zeros(n * H, dtype=torch.float32, device=hidden.device)
-        launch(cfg2, (inter, w2, s2, o2, routing.sorted_slots, routing.block_expert, weights, y,
-                      *scales2, n, P, 0.0, 0.0))
-        # the deterministic top-k reduction: fp32 sum over each token's slots, in slot order
-        part = y.view(n, k, H).float().sum(dim=1) if reduce == "slots" else y.view(n, H)
-        out[start:stop] = part.to(hidden.dtype)
+        launch(cfg2, (inter, w2, s2, o2, sid, block_expert, weights, y, *scales2, n, P, 0.0, 0.0))
+        if cfg2.reduce == "slots":
+            # the deterministic top-k reduction: fp32 sum over each token's slots, in slot order
+            topk_reduce(y.view(n * k, H), pairs, out[start:stop], k)()
+        else:
+            out[start:stop] = y.view(n, H).to(hidden.dtype)
     return out

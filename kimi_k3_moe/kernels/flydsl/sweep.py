@@ -1,5 +1,5 @@
 """The kernel set CI compiles: every table tile at Kimi-K3's per-rank shape, per arch,
-for SiLU and SiTUv2, plus the variants the checks need (runtime betas, a second
+for SiLU and SiTUv2 (direct tiers in both layouts), plus the variants the checks need (runtime betas, a second
 beta pair, asymmetric int4, the cvt_off int4 decode, fp32-atomic split-K stage 2),
 and on gfx950 the quantized-activation kernels: both activation quantizers, every
 tier's a8w4 and a4w4 stages with SiTUv2, and SiLU / other-beta / atomic variants.
@@ -19,6 +19,7 @@ from kimi_k3_moe.platform import FLYDSL_ARCHS, Platform
 K3_HIDDEN = 3584
 K3_INTER_TP8 = 384
 K3_TOP_K = 16
+K3_EXPERTS = 896
 K3_SITU = ActivationSpec.situv2(4.0, 25.0)
 OTHER_SITU = ActivationSpec.situv2(2.0, 1.5)   # a second beta pair: must never share a kernel with K3's
 
@@ -28,7 +29,8 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
     for arch in archs:
         fmt = Platform("rocm", arch).weight_format   # the format the plan serves there
         shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
-        for cfg in tiles.sweep_configs(arch, fmt, activations=[ActivationSpec.silu(), K3_SITU], **shape):
+        for cfg in tiles.sweep_configs(arch, fmt, activations=[ActivationSpec.silu(), K3_SITU],
+                                       num_experts=K3_EXPERTS, **shape):
             out.setdefault(cfg)
         s1, s2 = tiles.stage_configs(arch, fmt, num_tokens=1, activation=K3_SITU, **shape)
         extras = [

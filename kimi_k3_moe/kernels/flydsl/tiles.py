@@ -34,6 +34,8 @@ class Tier:
     BM: int
     stage1: dict[str, Any]
     stage2: dict[str, Any]
+    # the direct layout (no alignment launch) where the routing allows it: one pair per block
+    direct: bool = False
 
     def serves(self, num_tokens: int) -> bool:
         return self.max_tokens is None or num_tokens <= self.max_tokens
@@ -48,6 +50,9 @@ def _validate(arch: str, tiers: list[Tier]) -> None:
     if any(not isinstance(b, int) or b < 1 for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
         raise ValueError(f"{TABLE}[{arch}]: max_tokens must be positive ints, strictly increasing; got {bounds}")
     for t in tiers:
+        if not isinstance(t.direct, bool) or (t.direct and t.BM != layout.MFMA_TILE):
+            raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: direct must be true or false, and true "
+                             f"only with BM {layout.MFMA_TILE} (one pair per block); got {t.direct!r}, BM={t.BM}")
         if not isinstance(t.BM, int) or not 16 <= t.BM <= MAX_BM or t.BM % 16:
             raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: BM={t.BM} must be a multiple of 16 "
                              f"in [16, {MAX_BM}]")
@@ -67,7 +72,8 @@ def load_table(data: dict | None = None) -> dict[str, tuple[Tier, ...]]:
         if arch == "about":
             continue
         check_arch(arch)
-        tiers = [Tier(r["max_tokens"], r["BM"], dict(r["stage1"]), dict(r["stage2"])) for r in rows]
+        tiers = [Tier(r["max_tokens"], r["BM"], dict(r["stage1"]), dict(r["stage2"]), r.get("direct", False))
+                 for r in rows]
         _validate(arch, tiers)
         table[arch] = tuple(tiers)
     return table
@@ -84,7 +90,7 @@ def shape_key(fmt: str, hidden: int, inter: int, top_k: int) -> str:
 
 
 def _user_row(r: dict) -> dict:
-    return {k: r[k] for k in ("max_tokens", "BM", "stage1", "stage2")}
+    return {k: r[k] for k in ("max_tokens", "BM", "stage1", "stage2", "direct") if k in r}
 
 
 def _user_tiers(entry: dict) -> list:
@@ -155,14 +161,20 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = Fals
 def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int, num_tokens: int,
                   activation: ActivationSpec, betas: str = "const", has_offsets: bool = False,
                   reduce: str = "slots", int4_decode: str = "shift", act_dtype: str = BF16,
-                  table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
-    """(stage 1, stage 2) kernel configs for a layer of this shape at this token count."""
+                  direct_experts: int | None = None, table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
+    """(stage 1, stage 2) kernel configs for a layer of this shape at this token count.
+
+    `direct_experts`: the layer's expert count where the routing can take the direct layout (int32
+    ids, no expert map; the forward decides); a tier marked direct then takes it, bf16 activations only.
+    """
     if table is None:  # a valid user table (kimi-k3-moe tune) for exactly this GPU and shape comes first
         table = user_tiers(arch, weight_format, hidden, inter, top_k)
     tier = tier_for(arch, num_tokens, table)
-    common = dict(arch=arch, weight_format=weight_format, top_k=top_k, BM=tier.BM, has_offsets=has_offsets,
-                  int4_decode=int4_decode, act_dtype=act_dtype)
     quantized = act_dtype != BF16
+    direct = tier.direct and direct_experts is not None and not quantized
+    common = dict(arch=arch, weight_format=weight_format, top_k=top_k, BM=tier.BM, has_offsets=has_offsets,
+                  int4_decode=int4_decode, act_dtype=act_dtype, direct=direct,
+                  num_experts=direct_experts if direct else 0)
     s1 = KernelConfig(stage=1, N=inter, K=hidden, activation="silu", **common,
                       **_fit(tier.stage1, tier.BM, inter, hidden, pairs=quantized, lds=not quantized)
                       ).with_activation(activation, betas)
@@ -173,15 +185,17 @@ def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top
 
 def sweep_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int,
                   activations: list[ActivationSpec], has_offsets: bool = False, act_dtype: str = BF16,
-                  table: dict | None = None) -> list[KernelConfig]:
-    """Every distinct config the table yields for this shape, per activation (CI compiles these)."""
+                  num_experts: int | None = None, table: dict | None = None) -> list[KernelConfig]:
+    """Every distinct config the table yields for this shape, per activation (CI compiles these);
+    with `num_experts`, the direct tiers' configs too."""
     table = default_table() if table is None else table
     seen: dict[KernelConfig, None] = {}
     for tier in table[check_arch(arch)]:
         n = tier.max_tokens or (table[arch][-2].max_tokens + 1 if len(table[arch]) > 1 else 1)
         for act in activations:
-            for cfg in stage_configs(arch, weight_format, hidden=hidden, inter=inter, top_k=top_k,
-                                     num_tokens=n, activation=act, has_offsets=has_offsets,
-                                     act_dtype=act_dtype, table=table):
-                seen.setdefault(cfg)
+            for direct_experts in {None, num_experts}:
+                for cfg in stage_configs(arch, weight_format, hidden=hidden, inter=inter, top_k=top_k,
+                                         num_tokens=n, activation=act, has_offsets=has_offsets,
+                                         act_dtype=act_dtype, direct_experts=direct_experts, table=table):
+                    seen.setdefault(cfg)
     return list(seen)

@@ -95,6 +95,33 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
     return out, launches
 
 
+ONE_PROGRAM_BLOCK = 1024
+ONE_PROGRAM_WARPS = 8
+
+
+def align_one_launch(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
+                     block_m: int) -> tuple[AlignedPairs, Launch]:
+    """The pairs aligned to `block_m` in a single launch at any batch size (one program loops over
+    them): for backends whose forward is counted in launches (the FlyDSL path). Any id outside
+    [0, num_experts) after the map, or outside the map, is a pair not on this rank. Blocks past the
+    rows in use hold expert -1."""
+    ids = topk_ids.reshape(-1)
+    num_pairs = ids.numel()
+    scratch = torch.empty(2 * num_experts, dtype=torch.int32, device=ids.device)
+    local = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
+    a = _aligned_buffers(num_pairs, num_experts, block_m, local)
+    launch = Launch(K.align_one_program_kernel, (1,), dict(
+        ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local,
+        counts_ptr=scratch[:num_experts], fill_ptr=scratch[num_experts:], offsets_ptr=a.offsets,
+        sorted_ptr=a.sorted_pairs, block_expert_ptr=a.block_expert, num_rows_ptr=a.num_rows,
+        num_pairs=num_pairs, max_rows=a.max_rows, max_blocks=a.max_blocks, num_experts=num_experts,
+        num_ids=0 if expert_map is None else expert_map.numel(), HAS_MAP=expert_map is not None,
+        BLOCK_M=block_m, BLOCK=min(ONE_PROGRAM_BLOCK, max(16, next_pow2(num_pairs))),
+        E_POW2=max(16, next_pow2(num_experts))),
+        num_warps=ONE_PROGRAM_WARPS, num_stages=1, label="align.one_program")
+    return a, launch
+
+
 def _small_launch(ids, expert_map, local, counts, fill, a: AlignedPairs, b: AlignedPairs, two: bool) -> Launch:
     num_experts = a.offsets.numel()
     return Launch(K.align_small_kernel, (1,), dict(

@@ -64,7 +64,22 @@ def _weight_rows(cfg, bid_m, bid_n, wave, r):
     return [row for pair in rows for row in pair]      # index wi = ni * n_gu + gu
 
 
-def _lds_plan(cfg, tile_type, tid, bid_m, rsid):
+def _row_slot(cfg, rsid, p, sentinel):
+    """The (token, slot) pair of sorted row p: read from SID, or implied by the direct layout."""
+    if cfg.direct:
+        return L.direct_row_slot(p, sentinel)
+    return D.load_i32(rsid, L.sid_byte_offset(p))
+
+
+def _live(cfg, expert):
+    """Whether a block computes: aligned blocks carry -1 when unused; direct blocks carry the routed id
+    as given, so any id outside [0, num_experts) (one unsigned compare) reads and computes nothing."""
+    if cfg.direct:
+        return expert.bitcast(fx.Uint32) < fx.Uint32(cfg.num_experts)
+    return expert >= 0
+
+
+def _lds_plan(cfg, tile_type, tid, bid_m, rsid, sentinel):
     """LDS pointer and, per copy round, (activation row, staged row, chunk column) of this thread."""
     if not cfg.a_lds:
         return None, []
@@ -74,7 +89,7 @@ def _lds_plan(cfg, tile_type, tid, bid_m, rsid):
     for c0 in range(0, cfg.BM * 16 * cfg.kb_unroll, cfg.threads):
         row, cc = L.lds_chunk_coords(tid + c0, cfg.kb_unroll)
         p = bid_m * cfg.BM + row
-        a_row = L.slot_token(D.load_i32(rsid, L.sid_byte_offset(p)), cfg.top_k) if cfg.stage == 1 else p
+        a_row = L.slot_token(_row_slot(cfg, rsid, p, sentinel), cfg.top_k) if cfg.stage == 1 else p
         plan.append((a_row, row, cc))
     return lds, plan
 
@@ -199,6 +214,23 @@ def _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_
             D.store_u8(b, rys, L.qinter_scale_offset(p_rows[mi], n0s[0], N))
 
 
+def _skipped_block(cfg, Y, num_tokens, wave, g, r):
+    """Direct stage 2 with the slots reduction: a pair whose id is out of range (or not on this rank)
+    still owns its output row, which gets zeros, so the top-k sum reads no stale memory. Emits
+    nothing for every other kernel."""
+    if not (cfg.direct and cfg.stage == 2 and cfg.reduce == "slots"):
+        return
+    bid_m, bid_n = fx.block_idx.x, fx.block_idx.y
+    N = cfg.N
+    ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * (cfg.top_k * N * 2))   # padding rows: dropped
+    slot = L.direct_row_slot(L.tile_origin(bid_m, bid_n, wave, 0, 0, cfg.BM, cfg.BN, cfg.n_rep)[0] + r,
+                             num_tokens * cfg.top_k)
+    zeros = fx.Vector.filled(4, 0.0, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32)
+    for ni in range(cfg.n_rep):
+        n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+        D.store(zeros, ry, L.slot_out_byte_offset(slot, n0 + g * 4, N))
+
+
 def _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
               bid_m, bid_n, wave, g):
     m_rep = cfg.BM // L.MFMA_TILE
@@ -278,10 +310,11 @@ def build(cfg: KernelConfig):
         ra = _activation_rsrc(cfg, A, num_tokens, num_rows)
         ras = _act_scale_rsrc(cfg, AS, num_tokens, num_rows)
         p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, cfg.n_rep)[0] + r for mi in range(m_rep)]
-        slots = [D.load_i32(rsid, L.sid_byte_offset(p)) for p in p_rows]
+        sentinel = num_tokens * cfg.top_k
+        slots = [_row_slot(cfg, rsid, p, sentinel) for p in p_rows]
         a_rows = _activation_rows(cfg, slots, p_rows)
         w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
-        lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid)
+        lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid, sentinel)
         accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_acc)]
         return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, slots, p_rows), accs
 
@@ -309,7 +342,7 @@ def build(cfg: KernelConfig):
                     num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32):
             tid = fx.thread_idx.x
             lane, wave, g, r, expert = prologue(tid, BE)
-            if expert >= 0:                               # unused alignment blocks exit at once
+            if _live(cfg, expert):                        # unused alignment blocks exit at once
                 ops, accs = operands(A, W, S, OFS, SID, AS, expert, tid, wave, r, num_tokens, num_rows)
                 for it in range(iters):
                     accs = k_iteration(ops, accs, it, g, r)
@@ -329,11 +362,13 @@ def build(cfg: KernelConfig):
                   beta: fx.Float32, lin_beta: fx.Float32):
             tid = fx.thread_idx.x
             lane, wave, g, r, expert = prologue(tid, BE)
-            if expert >= 0:                               # unused alignment blocks exit at once
+            if _live(cfg, expert):                        # unused alignment blocks exit at once
                 ops, accs = operands(A, W, S, OFS, SID, None, expert, tid, wave, r, num_tokens, num_rows)
                 for it in range(iters):
                     accs = k_iteration(ops, accs, it, g, r)
                 epilogue(ops, accs, Y, None, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
+            else:
+                _skipped_block(cfg, Y, num_tokens, wave, g, r)
 
         @flyc.jit
         def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
