@@ -266,3 +266,21 @@ def test_the_resource_tool_reports_a_table_entrys_stage_kernels(tmp_path):
     assert [r["stage"] for r in rows] == ["stage1.aligned", "stage2.aligned"]
     for r in rows:
         assert r["registers"] > 0 and r["shared"] > 0 and r["blocks_per_sm"] >= 1
+
+
+@pytest.mark.parametrize("tokens", [16, 16384])
+def test_the_flydsl_forwards_triton_glue_compiles_for_amd_without_spills(tokens):
+    """The FlyDSL forward's alignment and top-k sum are Triton kernels that run on gfx942/gfx950 (the ROCm
+    engines' Triton): compiled for this run's targets at Kimi-K3's TP8 shape (E 896, top-16, hidden 3584)."""
+    import torch
+    from kimi_k3_moe.kernels.triton.aot import compile_launch
+    from kimi_k3_moe.kernels.triton.alignment import align_one_launch
+    from kimi_k3_moe.kernels.triton.stage2 import topk_reduce
+    ids = torch.empty(tokens, 16, dtype=torch.int32, device="meta")
+    pairs, align = align_one_launch(ids, None, 896, 16)
+    y = torch.empty(tokens * 16, 3584, dtype=torch.bfloat16, device="meta")
+    reduce = topk_reduce(y, pairs, torch.empty(tokens, 3584, dtype=torch.bfloat16, device="meta"), 16)
+    for launch in (align, reduce):
+        for target in TARGETS:
+            report, _ = compile_launch(launch, target)
+            assert report.spills == 0 and report.stack == 0, report
