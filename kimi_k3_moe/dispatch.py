@@ -22,12 +22,13 @@ load, naming the arch and what it supports. Nothing falls back to bf16.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kimi_k3_moe.act_quant import ACT_DTYPES, BF16, ENV_ACT_DTYPE, UnsupportedActDtype, resolve_act_dtype
 from kimi_k3_moe import kernels, settings
+from kimi_k3_moe.configs import engine_verdicts
 from kimi_k3_moe.kernels import BackendSpec, BackendUnavailable, MoEBackend, get_spec
 from kimi_k3_moe.platform import Platform, detect_platform
 
@@ -129,3 +130,42 @@ def serving_table(backend: str) -> str | None:
     """Which tile table serves `backend` (a name or a description, "triton[mxfp4]") here: a user table
     from `kimi-k3-moe tune` or the packaged one, and why; None for a backend that reads no tiles."""
     return get_spec(backend.split("[")[0]).table_line()
+
+
+def aiter_situ_path() -> str | None:
+    """vLLM 0.33's own Kimi-K3 path on ROCm (aiter's fused MoE with SiTUv2), when aiter here has it."""
+    try:
+        import aiter
+        from aiter import ActivationType
+    except Exception:  # no aiter (or one that does not import): the engine has no such path here
+        return None
+    if getattr(ActivationType, "Situv2", None) is None:
+        return None
+    return f"vLLM's aiter a16w4 MoE (aiter {getattr(aiter, '__version__', 'unknown version')})"
+
+
+def engine_keeps_layer(platform: Platform, engine_path: Callable[[], str | None], layer_key: str, *,
+                       identity: dict | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """Why a Kimi-K3 layer stays on the engine's own path, or None when kimi-k3-moe serves it.
+
+    Only where the engine has a Kimi-K3 SiTU path of its own with kernels tuned on that hardware
+    (`engine_path()` names it, asked on gfx950 only; vLLM 0.33 there: aiter's a16w4): our kernels
+    never ran there, so installing the plugin must not replace it on a guess. Ours serves when $KIMI_K3_MOE_BACKEND
+    forces a backend, or when `kimi-k3-moe bench` measured ours faster for this layer shape on this
+    GPU (configs/engine_verdicts.py). gfx942 and NVIDIA always get ours.
+    """
+    env = os.environ if env is None else env
+    if platform.vendor != "rocm" or platform.arch != "gfx950" or settings.choice(ENV_BACKEND, env):
+        return None
+    path = engine_path()
+    if path is None:
+        return None
+    if identity is None:
+        from kimi_k3_moe.configs.user_tables import device_identity
+        identity = device_identity()
+    verdict, why = engine_verdicts.lookup(identity, layer_key, env)
+    if verdict == "ours":
+        return None
+    return (f"{path} serves Kimi-K3 on {platform.arch} with kernels tuned on that GPU, and ours have "
+            f"not been measured faster there ({why}); {ENV_BACKEND}=flydsl serves the layer with ours, and "
+            f"`kimi-k3-moe bench` with the aiter peer on this GPU records which is faster")

@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  skipped {line}")
         print(f"would serve with: {backend.describe()} ({choice.reason})")
         print(_tables_line(backend.name))
+        print(_engine_line(platform, args.tp))
     except (BackendUnavailable, ValueError) as exc:
         if str(exc) not in problems:  # an invalid setting is listed once
             problems.append(str(exc))
@@ -120,6 +121,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("OK")
     return 0
+
+
+def _engine_line(platform, tp: int) -> str:
+    """Whether vLLM's own Kimi-K3 path keeps the layers here (gfx950 with aiter), for K3 at this TP."""
+    from kimi_k3_moe.bench.shapes import NAMED
+    from kimi_k3_moe.configs import engine_verdicts
+    from kimi_k3_moe.dispatch import aiter_situ_path, engine_keeps_layer
+    k3 = NAMED["tp8"]   # Kimi-K3's published layer, sized here for --tp
+    key = engine_verdicts.shape_key(k3.hidden, k3.inter * 8 // tp, k3.num_experts, k3.topk)
+    reason = engine_keeps_layer(platform, aiter_situ_path, key)
+    if reason is None:
+        return f"under vLLM: kimi-k3-moe serves the Kimi-K3 MoE layers ({key} at TP{tp})"
+    return f"under vLLM: the engine's own path keeps the Kimi-K3 MoE layers ({key} at TP{tp}): {reason}"
 
 
 def _tables_line(backend: str) -> str:

@@ -61,6 +61,12 @@ def run(args: argparse.Namespace) -> int:
                        on_row=on_row)
     result["info"] = info
     report.render(result)
+    from kimi_k3_moe.bench.verdict import record_verdicts
+    from kimi_k3_moe.configs.user_tables import device_identity
+    identity = device_identity()
+    for path in record_verdicts(result, identity) if identity["arch"] == "gfx950" else ():
+        print(f"recorded ours vs the engine's path for this layer shape on this GPU in {path} "
+              "(the plugin reads it at load on gfx950)")
     if args.json_out:
         print(f"wrote {report.write_json(args.json_out, result)}")
     return 0

@@ -40,7 +40,9 @@ from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config, Mxfp4MoEM
 from vllm.model_executor.utils import set_weight_attrs
 
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.configs import engine_verdicts
 from kimi_k3_moe.configs.hf_dict import load_config_dict, text_config
+from kimi_k3_moe.dispatch import aiter_situ_path, engine_keeps_layer
 from kimi_k3_moe.experts import ExpertWeights
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.loading import SelfCheckCache
@@ -64,9 +66,19 @@ class K3Mxfp4Config(Mxfp4Config):
 
     def _make_moe_method(self, moe: Any) -> FusedMoEMethodBase:
         if is_situ(moe.activation):
-            return K3RoutedExpertsMethod.for_moe(moe)
+            reason = engine_keeps_layer(detect_platform(), aiter_situ_path, layer_key(moe))
+            if reason is None:
+                return K3RoutedExpertsMethod.for_moe(moe)
+            common.log_engine_keeps_once(ENGINE, reason)
+            return super()._make_moe_method(moe)
         refuse_activation_mismatch(moe)
         return super()._make_moe_method(moe)
+
+
+def layer_key(moe: Any) -> str:
+    """The layer's per-rank shape as `kimi-k3-moe bench` records its verdicts (engine_verdicts)."""
+    return engine_verdicts.shape_key(moe.hidden_dim, moe.intermediate_size_per_partition,
+                                     moe.num_local_experts, moe.experts_per_token)
 
 
 def model_config() -> Any:

@@ -232,6 +232,17 @@ def local_model_dir(model: str | None, revision: str | None) -> str | None:
         return None
 
 
+def log_engine_keeps_once(engine: str, reason: str) -> None:
+    """One line per process (every worker says it once): which path serves the K3 layers, and why."""
+    key = f"{engine}:engine:{os.getpid()}"
+    with _lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    logger.info("kimi-k3-moe %s on %s: Kimi-K3 MoE layers left to the engine's own path: %s",
+                __version__, engine, reason)
+
+
 def serve_layer(engine: str, activation: ActivationSpec, experts: ExpertWeights, *, platform: Any,
                 checks: Any, layer_name: str, converted: dict[str, Any] | None) -> Any:
     """A loaded `RoutedExperts` for this layer: from the pre-converted int4 checkpoint when

@@ -78,3 +78,33 @@ def test_silu_layer_in_a_situ_model_is_refused(single_rank, k3_checkpoint):
     config, text = _text_config(k3_checkpoint, hidden_act="silu")
     with pytest.raises(UnsupportedVllmSetup, match="hidden_act='situ'"):
         k3.build_block(config, text)
+
+
+def test_gfx950_with_aiters_k3_path_keeps_vllms_method_unless_forced(single_rank, k3_checkpoint, monkeypatch,
+                                                                    caplog, tmp_path):
+    """On gfx950, where vLLM 0.33 serves Kimi-K3 with aiter's hardware-tuned a16w4 kernels, the SiTU
+    layers go to vLLM's own `_make_moe_method` (which cannot build on this CPU: it stops with its own
+    error) and the log says why; KIMI_K3_MOE_BACKEND=flydsl makes the layer ours. Stand-ins: the
+    platform (no MI355X here) and aiter's presence (no aiter wheel for a CPU)."""
+    import logging
+
+    import vllm_k3 as k3
+
+    from kimi_k3_moe.platform import Platform
+    from kimi_k3_moe.plugin_entrypoints import _vllm_method
+
+    monkeypatch.setattr(_vllm_method, "detect_platform", lambda: Platform("rocm", "gfx950", "MI355X (stand-in)"))
+    monkeypatch.setattr(_vllm_method, "aiter_situ_path", lambda: "vLLM's aiter a16w4 MoE (stand-in)")
+    monkeypatch.delenv("KIMI_K3_MOE_BACKEND", raising=False)
+    monkeypatch.setenv("KIMI_K3_MOE_TABLES", str(tmp_path))   # no measurement recorded
+    config = k3.make_vllm_config(k3_checkpoint)
+    with caplog.at_level(logging.INFO, logger="kimi_k3_moe"):
+        with pytest.raises(NotImplementedError, match="No MXFP4 MoE backend supports") as info:
+            k3.build_block(config)
+    frames = [(f.filename, f.name) for f in traceback.extract_tb(info.value.__traceback__)]
+    assert any(name == "_make_moe_method" and file.endswith("quantization/mxfp4.py") for file, name in frames)
+    said = [r.getMessage() for r in caplog.records if "left to the engine's own path" in r.getMessage()]
+    assert len(said) == 1 and "aiter a16w4" in said[0] and "KIMI_K3_MOE_BACKEND=flydsl" in said[0], said
+    monkeypatch.setenv("KIMI_K3_MOE_BACKEND", "flydsl")
+    block = k3.build_block(k3.make_vllm_config(k3_checkpoint))
+    assert type(k3.routed_layer(block).quant_method) is _vllm_method.K3RoutedExpertsMethod
