@@ -103,8 +103,9 @@ def test_gfx950_with_aiters_k3_path_keeps_vllms_method_unless_forced(single_rank
             k3.build_block(config)
     frames = [(f.filename, f.name) for f in traceback.extract_tb(info.value.__traceback__)]
     assert any(name == "_make_moe_method" and file.endswith("quantization/mxfp4.py") for file, name in frames)
+    # one line per process; vLLM's handler may show it a second time (plugin_entrypoints/vllm.py)
     said = [r.getMessage() for r in caplog.records if "left to the engine's own path" in r.getMessage()]
-    assert len(said) == 1 and "aiter a16w4" in said[0] and "KIMI_K3_MOE_BACKEND=flydsl" in said[0], said
+    assert len(set(said)) == 1 and "aiter a16w4" in said[0] and "KIMI_K3_MOE_BACKEND=flydsl" in said[0], said
     monkeypatch.setenv("KIMI_K3_MOE_BACKEND", "flydsl")
     block = k3.build_block(k3.make_vllm_config(k3_checkpoint))
     assert type(k3.routed_layer(block).quant_method) is _vllm_method.K3RoutedExpertsMethod
