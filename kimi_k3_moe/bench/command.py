@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from kimi_k3_moe.bench.shapes import add_shape_arguments
+from kimi_k3_moe.bench.routing import ROUTINGS, parse_routing
 from kimi_k3_moe.cli import count_list, non_negative_int, positive_int
 
 HELP = ("time every backend that runs here and the engine's own Kimi-K3 path (Humming on Hopper, aiter on "
@@ -23,6 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-path", default=".peer", help="folder holding the triton_kernels package")
     parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
     parser.add_argument("--seed", type=non_negative_int, default=None, help="data seed (default: fresh)")
+    parser.add_argument("--routing", default="uniform", type=routing_arg,
+                        help=f"{ROUTINGS}: which experts the tokens pick (recorded in the JSON)")
+
+
+def routing_arg(text: str):
+    try:
+        return parse_routing(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def default_ours() -> list[str]:
@@ -57,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json_out:
             report.write_json(args.json_out, dict(partial, info=info))
     result = run_bench(peers, shape, tokens, activation, GraphTimer(reps=args.reps), device="cuda", seed=seed,
-                       ceilings=ceilings, progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True),
+                       ceilings=ceilings, routing=args.routing,
+                       progress=lambda m: print(f"  {m}", file=sys.stderr, flush=True),
                        on_row=on_row)
     result["info"] = info
     report.render(result)

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import math
-
 import torch
 
+from kimi_k3_moe.bench.routing import Routing
 from kimi_k3_moe.experts import ExpertWeights
 
 
@@ -21,9 +21,51 @@ def random_experts(num_experts: int, hidden: int, inter: int, device, gen: torch
     return ExpertWeights(*side(2 * inter, hidden, 4.0 / math.sqrt(hidden)), *side(hidden, inter, 1.0 / math.sqrt(inter)))
 
 
+def recorded_ids(path: str, num_experts: int, topk: int) -> torch.Tensor:
+    """int32 [N, topk] ids recorded from a router, checked: a bad file ends in one line naming it."""
+    try:
+        if path.endswith(".npy"):
+            import numpy as np
+            ids = torch.from_numpy(np.load(path, allow_pickle=False))
+        else:
+            ids = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # any unreadable file is the same user error
+        raise ValueError(f"--routing file:{path}: cannot read recorded top-k ids ({type(exc).__name__}: {exc})")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != topk or ids.shape[0] < 1 \
+            or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"--routing file:{path}: expected integer ids [tokens, {topk}], got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+    if bool(((ids < 0) | (ids >= num_experts)).any()):
+        raise ValueError(f"--routing file:{path}: ids outside [0, {num_experts})")
+    return ids.to(torch.int32)
+
+
+class RoutingSource:
+    """Each bench row's routing for one Routing: draws share the generator, so a seed replays a run."""
+
+    def __init__(self, routing: Routing, num_experts: int, topk: int, device, gen: torch.Generator):
+        self.routing, self.num_experts, self.topk, self.device, self.gen = routing, num_experts, topk, device, gen
+        self.bias = None
+        self.recorded = None
+        if routing.kind == "skewed":
+            self.bias = torch.randn(num_experts, device=device, generator=gen) * routing.sigma
+        elif routing.kind == "file":
+            self.recorded = recorded_ids(routing.path, num_experts, topk).to(device)
+
+    def __call__(self, num_tokens: int, held: int | None = None):
+        if self.recorded is not None:
+            rows = torch.arange(num_tokens, device=self.device) % self.recorded.shape[0]
+            ids = self.recorded[rows]
+            weights = torch.rand(ids.shape, device=self.device, generator=self.gen) + 0.05
+            return (weights / weights.sum(1, keepdim=True)).float(), ids
+        return random_routing(num_tokens, self.num_experts, self.topk, self.device, self.gen, held=held,
+                              bias=self.bias)
+
+
 def random_routing(num_tokens: int, num_experts: int, topk: int, device, gen: torch.Generator,
-                   held: int | None = None, tries: int = 200):
-    """Distinct experts per token (uniform), positive weights summing to 1 (like renormalised sigmoid top-k).
+                   held: int | None = None, tries: int = 200, bias: torch.Tensor | None = None):
+    """Distinct experts per token (uniform, or skewed by a per-expert logit `bias`), positive weights
+    summing to 1 (like renormalised sigmoid top-k).
 
     `held`: the rank holds experts [0, held) (EP). Drawn again until the rank's (token, slot) pairs
     are within one standard deviation of its share T*K*held/E and at least one: a row where the
@@ -31,13 +73,18 @@ def random_routing(num_tokens: int, num_experts: int, topk: int, device, gen: to
     if held is not None and held < 1:
         raise ValueError(f"held = {held}: the rank must hold at least one expert")
     for _ in range(tries):
-        scores = torch.rand(num_tokens, num_experts, device=device, generator=gen)
+        if bias is None:
+            scores = torch.rand(num_tokens, num_experts, device=device, generator=gen)
+        else:   # unit Gaussian router logits plus the per-expert bias, through the sigmoid
+            scores = torch.sigmoid(torch.randn(num_tokens, num_experts, device=device, generator=gen) + bias)
         weights, ids = scores.topk(topk, dim=1)
         if held is None or held >= num_experts or num_tokens == 0:
             break
         share = num_tokens * topk * held / num_experts
         local = int((ids < held).sum())
-        if local >= 1 and abs(local - share) <= max(1.0, math.sqrt(share * (1 - held / num_experts))):
+        # skewed: the rank's share depends on its experts' popularity, so only "something to do" is asked
+        if local >= 1 and (bias is not None
+                           or abs(local - share) <= max(1.0, math.sqrt(share * (1 - held / num_experts)))):
             break
     else:
         raise RuntimeError(f"no routing of {num_tokens} tokens gave the rank its share of {held} experts "

@@ -9,7 +9,8 @@ import torch
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.bench.check import REL_L2_BOUND, judge
-from kimi_k3_moe.bench.data import expert_map_for, random_experts, random_hidden, random_routing
+from kimi_k3_moe.bench.data import RoutingSource, expert_map_for, random_experts, random_hidden
+from kimi_k3_moe.bench.routing import Routing
 from kimi_k3_moe.bench.peers.base import Peer, PeerUnavailable
 from kimi_k3_moe.bench.shapes import Shape
 from kimi_k3_moe.bench.timing import moe_flops, mxfp4_bytes_per_expert
@@ -26,7 +27,7 @@ def _reference(hidden, weights, ids, activation, expert_map, w13_of, w2_of, act_
 
 
 def run_bench(peers: list[Peer], shape: Shape, tokens: list[int], activation: ActivationSpec, timer, *,
-              device, seed: int, ceilings: dict, bound: float = REL_L2_BOUND,
+              device, seed: int, ceilings: dict, bound: float = REL_L2_BOUND, routing: Routing = Routing(),
               progress: Callable[[str], None] = lambda msg: None,
               on_row: Callable[[dict], None] = lambda partial: None) -> dict:
     """-> {"shape", "activation", "ceilings", "entries": {name: {...}}, "rows": [...]}.
@@ -34,6 +35,7 @@ def run_bench(peers: list[Peer], shape: Shape, tokens: list[int], activation: Ac
     `ceilings`: {"copy_GBps": .., "bf16_TFLOPs": ..}, measured in this run by the caller.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
+    route = RoutingSource(routing, shape.num_experts, shape.topk, device, gen)
     experts = random_experts(shape.held_experts, shape.hidden, shape.inter, device, gen)
     emap = expert_map_for(shape.num_experts, shape.held_experts, device) if shape.is_ep else None
     mx13 = lambda e: mxfp4.dequantize(experts.w13_packed[e], experts.w13_scale[e])  # noqa: E731
@@ -56,13 +58,13 @@ def run_bench(peers: list[Peer], shape: Shape, tokens: list[int], activation: Ac
     per_expert = mxfp4_bytes_per_expert(shape.hidden, shape.inter)
     rows = []
     result = {"shape": shape.to_json(), "activation": str(activation), "bound_rel_l2": bound,
-              "timing": timer.method, "ceilings": ceilings, "seed": seed, "entries": entries, "rows": rows}
+              "timing": timer.method, "ceilings": ceilings, "seed": seed, "routing": str(routing),
+              "entries": entries, "rows": rows}
     silu = ActivationSpec.silu()
     for t in tokens:
         progress(f"{t} tokens")
         hidden = random_hidden(t, shape.hidden, device, gen)
-        weights, ids = random_routing(t, shape.num_experts, shape.topk, device, gen,
-                                      held=shape.held_experts if shape.is_ep else None)
+        weights, ids = route(t, held=shape.held_experts if shape.is_ep else None)
         held = ids[ids < shape.held_experts]
         distinct = int(torch.unique(held).numel())
         pairs = int(held.numel())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
@@ -221,3 +222,54 @@ def test_ep_routing_gives_the_rank_its_share(gen):
             local = int((ids < 56).sum())
             assert 1 <= local and abs(local - tokens) <= max(1.0, (tokens * 15 / 16) ** 0.5)
             assert torch.allclose(weights.sum(1), torch.ones(tokens))
+
+
+def test_routing_choices_parse_and_refuse_with_one_line(tmp_path, capsys):
+    from kimi_k3_moe.bench.routing import Routing, parse_routing
+    from kimi_k3_moe.cli import main
+    assert parse_routing("uniform") == Routing() and str(parse_routing("skewed")) == "skewed:1"
+    assert parse_routing("skewed:0.5").sigma == 0.5
+    for bad in ("skewed:x", "skewed:-1", "zipf", "file:", f"file:{tmp_path}/none.pt"):
+        try:
+            code = main(["bench", "--routing", bad])
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err.count("\n") == 1 and "--routing" in err, err
+
+
+def test_skewed_routing_favours_the_same_experts_in_every_batch(gen):
+    from kimi_k3_moe.bench.data import RoutingSource
+    from kimi_k3_moe.bench.routing import Routing
+    uniform = RoutingSource(Routing(), 896, 16, "cpu", gen)
+    skewed = RoutingSource(Routing("skewed", 1.0), 896, 16, "cpu", gen)
+    distinct = {name: torch.unique(src(256)[1]).numel() for name, src in (("u", uniform), ("s", skewed))}
+    assert distinct["s"] < 0.85 * distinct["u"], distinct          # fewer experts take the pairs
+    first, again = skewed(512)[1], skewed(512)[1]
+    popular = torch.bincount(first.flatten().long(), minlength=896).topk(50).indices
+    counts = torch.bincount(again.flatten().long(), minlength=896)
+    assert counts[popular].float().mean() > 2 * counts.float().mean()   # the same ones, batch after batch
+    w, ids = skewed(7)
+    assert ids.dtype == torch.int32 and all(len(set(r)) == 16 for r in ids.tolist())
+    assert torch.allclose(w.sum(1), torch.ones(7)) and bool((w > 0).all())
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".npy"])
+def test_recorded_routing_replays_a_routers_ids_and_is_recorded_in_the_result(tmp_path, seed, suffix, gen):
+    import numpy as np
+    from kimi_k3_moe.bench.routing import parse_routing
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(5)])     # the tiny shape: 8 experts
+    path = tmp_path / f"ids{suffix}"
+    torch.save(ids, path) if suffix == ".pt" else np.save(path, ids.numpy())
+    routing = parse_routing(f"file:{path}")
+    result = run_bench([make_ours("torch")], NAMED["tiny"], [3, 7], SITU, FakeClock(lambda label: 1.0),
+                       device="cpu", seed=seed, ceilings={"copy_GBps": 100.0, "bf16_TFLOPs": 1.0}, routing=routing)
+    assert result["routing"] == f"file:{path}"
+    assert result["rows"][0]["distinct_experts"] == torch.unique(ids[:3]).numel()
+    assert all(r["results"]["ours_torch_mxfp4"]["status"] == "ok" for r in result["rows"])
+    from kimi_k3_moe.bench.data import RoutingSource
+    for bad in (torch.zeros(5, 3, dtype=torch.int64), torch.full((5, 2), 8), torch.rand(5, 2)):
+        torch.save(bad, tmp_path / "bad.pt")
+        with pytest.raises(ValueError, match="--routing file:.*bad.pt"):
+            RoutingSource(parse_routing(f"file:{tmp_path}/bad.pt"), 8, 2, "cpu", gen)
