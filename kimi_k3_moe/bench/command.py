@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from kimi_k3_moe.bench.shapes import add_shape_arguments
-from kimi_k3_moe.bench.routing import ROUTINGS, parse_routing
+from kimi_k3_moe.bench.routing import ROUTINGS, routing_arg
 from kimi_k3_moe.cli import count_list, non_negative_int, positive_int
 
 HELP = ("time every backend that runs here and the engine's own Kimi-K3 path (Humming on Hopper, aiter on "
@@ -26,13 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=None, help="data seed (default: fresh)")
     parser.add_argument("--routing", default="uniform", type=routing_arg,
                         help=f"{ROUTINGS}: which experts the tokens pick (recorded in the JSON)")
-
-
-def routing_arg(text: str):
-    try:
-        return parse_routing(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def default_ours() -> list[str]:

@@ -1,6 +1,7 @@
 """Which experts a bench's tokens pick: the `--routing` choice (no torch import: the CLI parses it)."""
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 
@@ -40,3 +41,11 @@ def parse_routing(text: str) -> Routing:
             raise ValueError(f"--routing {text!r}: no such file")
         return Routing("file", path=arg)
     raise ValueError(f"--routing {text!r}: expected {ROUTINGS}")
+
+
+def routing_arg(text: str) -> Routing:
+    """`--routing` as an argparse type: a bad value is argparse's one-line usage error."""
+    try:
+        return parse_routing(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from kimi_k3_moe.bench.routing import ROUTINGS, routing_arg
 from kimi_k3_moe.bench.shapes import add_shape_arguments
 from kimi_k3_moe.cli import count_list, positive_float, positive_int
 from kimi_k3_moe.kernels import SPECS
@@ -30,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="triton: the first few candidates per stage only")
     parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
     parser.add_argument("--restart", action="store_true", help="ignore the saved progress of an earlier run")
+    parser.add_argument("--routing", default="uniform", type=routing_arg,
+                        help=f"{ROUTINGS}: the routing every candidate is timed on (in the table's fingerprint)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     state = user_tables.table_path(backend, identity["key"]).with_suffix(f".{shape.name}.state.json")
     if args.restart:
         state.unlink(missing_ok=True)
-    result = run_with_progress(target, activation, GraphTimer(reps=args.reps), args.budget_min * 60, state, seed)
+    result = run_with_progress(target, activation, GraphTimer(reps=args.reps), args.budget_min * 60, state, seed,
+                               routing=args.routing)
     print_summary(result)
     return 0
 
@@ -88,7 +92,8 @@ def make_target(backend, shape, experts, activation, identity, args, tiers):
                         rocm=rocm, tiers=tiers)
 
 
-def run_with_progress(target, activation, timer, budget_s, state, seed, device="cuda", clock=time.monotonic):
+def run_with_progress(target, activation, timer, budget_s, state, seed, device="cuda", clock=time.monotonic,
+                      routing=None):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kimi_k3_moe.tune.loop import tune
@@ -100,7 +105,7 @@ def run_with_progress(target, activation, timer, budget_s, state, seed, device="
         def progress(cand):
             bar.update(task, completed=min(budget_s, clock() - start), description=cand.label)
         result = tune(target, activation, timer, budget_s=budget_s, state_path=state, device=device, seed=seed,
-                      clock=clock, progress=progress)
+                      clock=clock, progress=progress, **({"routing": routing} if routing is not None else {}))
         bar.update(task, completed=budget_s, description="done")
     return result
 

@@ -26,7 +26,8 @@ import torch
 from kimi_k3_moe import __version__
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.bench.check import REL_L2_BOUND, judge
-from kimi_k3_moe.bench.data import random_hidden, random_routing
+from kimi_k3_moe.bench.data import RoutingSource, random_hidden
+from kimi_k3_moe.bench.routing import Routing
 from kimi_k3_moe.reference import dense_moe
 
 SKIPPED, REJECTED, TIMED, FAILED = "skipped", "rejected", "timed", "failed"
@@ -90,18 +91,19 @@ class State:
 
 
 def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, state_path: Path, device,
-         seed: int, clock: Callable[[], float] = time.monotonic, progress=None) -> dict:
+         seed: int, clock: Callable[[], float] = time.monotonic, progress=None, routing: Routing = Routing()) -> dict:
     """Run the loop; returns {"path": table written, "tiers": {tier: summary}, "state": ..}."""
     from kimi_k3_moe.configs import user_tables
     from kimi_k3_moe.kernels import get_spec
     shape = target.shape
     fingerprint = {"backend": target.backend, "device": target.identity, "package": __version__,
-                   "shape": shape.to_json(), "activation": str(activation),
+                   "shape": shape.to_json(), "activation": str(activation), "routing": str(routing),
                    **target.table_extra()}
     state = State(state_path, fingerprint)
     deadline = clock() + budget_s
     tiers = target.tiers()
     gen = torch.Generator(device=device).manual_seed(seed)
+    route = RoutingSource(routing, shape.num_experts, shape.topk, device, gen)
     w13_of, w2_of = target.reference_weights()
     silu = ActivationSpec.silu()
     out_of_time = False  # some candidate was left unmeasured for lack of time (a rerun continues)
@@ -113,8 +115,7 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
         tier_out_of_time = False
         first = None  # the target's first candidate of this tier
         hidden = random_hidden(tier, shape.hidden, device, gen)  # fresh data every run, every tier
-        weights, ids = random_routing(tier, shape.num_experts, shape.topk, device, gen,
-                                      held=shape.held_experts if shape.is_ep else None)
+        weights, ids = route(tier, held=shape.held_experts if shape.is_ep else None)
         ref = silu_ref = None
         seen: dict[str, Candidate] = {}
         while True:
