@@ -274,13 +274,13 @@ def test_the_flydsl_forwards_triton_glue_compiles_for_amd_without_spills(tokens)
     engines' Triton): compiled for this run's targets at Kimi-K3's TP8 shape (E 896, top-16, hidden 3584)."""
     import torch
     from kimi_k3_moe.kernels.triton.aot import compile_launch
-    from kimi_k3_moe.kernels.triton.alignment import align_one_launch
+    from kimi_k3_moe.kernels.triton.alignment import align_launches
     from kimi_k3_moe.kernels.triton.stage2 import topk_reduce
     ids = torch.empty(tokens, 16, dtype=torch.int32, device="meta")
-    pairs, align = align_one_launch(ids, None, 896, 16)
+    (pairs,), align = align_launches(ids, None, 896, (16,))
     y = torch.empty(tokens * 16, 3584, dtype=torch.bfloat16, device="meta")
     reduce = topk_reduce(y, pairs, torch.empty(tokens, 3584, dtype=torch.bfloat16, device="meta"), 16)
-    for launch in (align, reduce):
+    for launch in (*align, reduce):
         for target in TARGETS:
             report, _ = compile_launch(launch, target)
             assert report.spills == 0 and report.stack == 0, report

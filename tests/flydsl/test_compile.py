@@ -83,6 +83,26 @@ def test_quantized_activation_kernels_use_the_right_operand_formats(compiled, cf
         assert isa["ds_bpermute"] == 0
 
 
+PREFETCHED = [c for c in CONFIGS if getattr(c, "prefetch", False) and c.k_iters > 1]
+
+
+@pytest.mark.parametrize("cfg", PREFETCHED, ids=[c.name for c in PREFETCHED])
+def test_prefetching_k_loops_never_wait_for_the_block_they_fetch(compiled, cfg):
+    """The ISA of every software-pipelined kernel: inside its K loop no `s_waitcnt vmcnt(n)` waits for
+    a load issued in the same pass, so the next block's loads are in flight behind this block's MFMAs."""
+    text = Path(compiled[cfg.name].report["isa_file"]).read_text()
+    assert re.search(r"^\s*s_cbranch_\w+\s+\.LBB", text, re.M), "no K loop in the ISA"
+    assert artifacts.k_loop_self_waits(text) == []
+
+
+def test_the_pipelining_check_flags_a_loop_that_waits_for_its_own_loads():
+    waits = ".LBB0_1:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n s_waitcnt vmcnt(0)\n" \
+            " v_mfma_f32_16x16x32_bf16 v[8:11], v[0:3], v[0:3], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
+    pipelined = ".LBB0_1:\n s_waitcnt vmcnt(0)\n v_mov_b32 v12, v0\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \
+                " v_mfma_f32_16x16x32_bf16 v[8:11], v[12:15], v[12:15], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
+    assert artifacts.k_loop_self_waits(waits) and artifacts.k_loop_self_waits(pipelined) == []
+
+
 def test_act_dtypes_never_share_a_cache_entry(compiled):
     """bf16, fp8 and fp4 kernels of one tile and activation: distinct names, symbols and cache keys."""
     tier0 = {}

@@ -138,6 +138,37 @@ def isa_stats(isa: str) -> dict:
     }
 
 
+_LABEL_RE = re.compile(r"^(\.LBB\w+):", re.M)
+_GLOBAL_LOAD_RE = re.compile(r"^\s*(buffer_load|global_load)\w*\s")
+_VMCNT_RE = re.compile(r"^\s*s_waitcnt\s.*vmcnt\((\d+)\)")
+
+
+def k_loop_self_waits(isa: str) -> list[str]:
+    """Where a K loop (a block of MFMAs that branches back to its own label) waits for loads it issued
+    itself in the same pass: `s_waitcnt vmcnt(n)` after its k-th global load with n < k. A pipelined
+    loop only waits for the loads of the pass before (at its top, before it issues the next block's),
+    so its MFMAs never stall on the block being prefetched. Empty: every K loop is pipelined."""
+    lines = isa.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL_RE.match(line))}
+    found = []
+    for end, line in enumerate(lines):
+        m = re.match(r"^\s*s_cbranch_\w+\s+(\.LBB\w+)", line)
+        start = labels.get(m.group(1)) if m else None
+        if start is None or start >= end:
+            continue
+        body = lines[start + 1:end]
+        if not any("v_mfma" in b for b in body):
+            continue
+        issued = 0
+        for b in body:
+            if _GLOBAL_LOAD_RE.match(b):
+                issued += 1
+            elif (w := _VMCNT_RE.match(b)) and issued and int(w.group(1)) < issued:
+                found.append(f"loop {m.group(1)}: '{b.strip()}' after {issued} loads of the same pass")
+                break
+    return found
+
+
 def occupancy(arch: str, *, vgpr: int, agpr: int, accum_offset: int | None, lds_bytes: int,
               waves_per_workgroup: int) -> dict:
     """Waves per SIMD (at most 8) allowed by registers and by LDS on CDNA3/CDNA4.

@@ -58,6 +58,7 @@ class KernelConfig:
     n_rep: int = 2                # 16-column sub-tiles per wave
     kb_unroll: int = 1            # K128 blocks per loop iteration
     a_lds: bool = False           # stage the activation tile through LDS
+    prefetch: bool = False        # software-pipelined K loop: the next iteration's loads before this one's MFMAs
     waves_per_eu: int = 0         # occupancy target handed to LLVM (caps registers); 0 = LLVM's choice
     has_offsets: bool = False     # asymmetric int4: value = q*scale + offset
     int4_decode: str = "shift"    # int4 only: "shift" (v_bfe_i32) | "cvt_off" (v_cvt_off_f32_i4)
@@ -82,6 +83,9 @@ class KernelConfig:
                              f"choose one of {supported_weight_formats(self.arch)}")
         if self.has_offsets and self.weight_format != INT4:
             raise ValueError("has_offsets applies to int4 weights only")
+        for flag in ("a_lds", "prefetch", "has_offsets", "direct"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"KernelConfig.{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.int4_decode not in INT4_DECODES:
             raise ValueError(f"int4_decode {self.int4_decode!r} not in {INT4_DECODES}")
         if isinstance(self.waves_per_eu, bool) or not isinstance(self.waves_per_eu, int) \
@@ -228,6 +232,7 @@ class KernelConfig:
         if self.weight_format == INT4 and self.int4_decode != "shift":
             fmt += f"_{self.int4_decode}"
         tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
+                + ("_pf" if self.prefetch else "")
                 + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else "")
                 + (f"_dir{self.num_experts}" if self.direct else ""))
         name = (f"k3moe_s{self.stage}_{self.arch}_{fmt}_n{self.N}_k{self.K}_top{self.top_k}_{tile}_"

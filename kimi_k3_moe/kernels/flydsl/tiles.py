@@ -24,7 +24,7 @@ from kimi_k3_moe.kernels.flydsl.config import KernelConfig, check_arch
 
 TABLE = "flydsl_tiles.json"
 TILE_FIELDS = ("waves", "n_rep", "kb_unroll", "a_lds")
-OPTIONAL_TILE_FIELDS = ("waves_per_eu",)
+OPTIONAL_TILE_FIELDS = ("waves_per_eu", "prefetch")
 MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks up to this
 
 
@@ -155,6 +155,8 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = Fals
         tile["kb_unroll"] //= 2
     if not lds or (tile["a_lds"] and (BM * 16 * tile["kb_unroll"]) % (tile["waves"] * layout.LANES)):
         tile["a_lds"] = False
+    if not lds:   # quantized activations: their loops keep waiting on the prefetched block (ISA), so none
+        tile.pop("prefetch", None)
     return tile
 
 

@@ -24,7 +24,7 @@ class AlignedPairs:
     max_blocks: int
     local: torch.Tensor         # int32 [P]: local expert per pair, -1 = not on this rank
     sorted_pairs: torch.Tensor  # int32 [max_blocks * block_m]: pair per row, num_pairs = padding
-    block_expert: torch.Tensor  # int32 [max_blocks]: expert of each block (valid below num_rows)
+    block_expert: torch.Tensor  # int32 [max_blocks]: expert of each block, -1 past num_rows
     num_rows: torch.Tensor      # int32 [1]: rows in use (a multiple of block_m)
     offsets: torch.Tensor       # int32 [E]: first row of each expert
     # path "direct" (direct_pairs): block b is pair b alone; block_expert and local are topk_ids as
@@ -77,9 +77,10 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
                num_warps=4, num_stages=1, label="align.zero"),
         Launch(K.align_count_kernel, grid, dict(
             ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local,
-            counts_ptr=counts, sorted_ptr=a.sorted_pairs, sorted_b_ptr=b.sorted_pairs, num_pairs=num_pairs,
+            counts_ptr=counts, sorted_ptr=a.sorted_pairs, sorted_b_ptr=b.sorted_pairs,
+            block_expert_ptr=a.block_expert, block_expert_b_ptr=b.block_expert, num_pairs=num_pairs,
             max_rows=a.max_rows, max_rows_b=b.max_rows, HAS_MAP=expert_map is not None, TWO=two, BLOCK=BLOCK,
-            PDL=False), num_warps=4, num_stages=1, label="align.count"),
+            BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, PDL=False), num_warps=4, num_stages=1, label="align.count"),
         Launch(K.align_offsets_kernel, (1,), dict(
             counts_ptr=counts, offsets_ptr=a.offsets, num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets,
             num_rows_b_ptr=b.num_rows, num_experts=num_experts, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, TWO=two,
@@ -93,33 +94,6 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
             num_warps=4, num_stages=1, label="align.scatter"),
     ]
     return out, launches
-
-
-ONE_PROGRAM_BLOCK = 1024
-ONE_PROGRAM_WARPS = 8
-
-
-def align_one_launch(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
-                     block_m: int) -> tuple[AlignedPairs, Launch]:
-    """The pairs aligned to `block_m` in a single launch at any batch size (one program loops over
-    them): for backends whose forward is counted in launches (the FlyDSL path). Any id outside
-    [0, num_experts) after the map, or outside the map, is a pair not on this rank. Blocks past the
-    rows in use hold expert -1."""
-    ids = topk_ids.reshape(-1)
-    num_pairs = ids.numel()
-    scratch = torch.empty(2 * num_experts, dtype=torch.int32, device=ids.device)
-    local = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
-    a = _aligned_buffers(num_pairs, num_experts, block_m, local)
-    launch = Launch(K.align_one_program_kernel, (1,), dict(
-        ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local,
-        counts_ptr=scratch[:num_experts], fill_ptr=scratch[num_experts:], offsets_ptr=a.offsets,
-        sorted_ptr=a.sorted_pairs, block_expert_ptr=a.block_expert, num_rows_ptr=a.num_rows,
-        num_pairs=num_pairs, max_rows=a.max_rows, max_blocks=a.max_blocks, num_experts=num_experts,
-        num_ids=0 if expert_map is None else expert_map.numel(), HAS_MAP=expert_map is not None,
-        BLOCK_M=block_m, BLOCK=min(ONE_PROGRAM_BLOCK, max(16, next_pow2(num_pairs))),
-        E_POW2=max(16, next_pow2(num_experts))),
-        num_warps=ONE_PROGRAM_WARPS, num_stages=1, label="align.one_program")
-    return a, launch
 
 
 def _small_launch(ids, expert_map, local, counts, fill, a: AlignedPairs, b: AlignedPairs, two: bool) -> Launch:

@@ -67,16 +67,28 @@ def select(cond, a, b):
 
 
 # --------------------------------------------------------------------- scales
-def load_scale(cfg, s_res, gi):
-    """Group scale as f32: bf16 (int4) or e8m0 byte (MXFP4), element gi of one expert."""
+def load_scale_raw(cfg, s_res, gi):
+    """Group scale as stored: bf16 (int4) or the e8m0 byte (MXFP4), element gi of one expert. Kept raw
+    so a prefetched block's scale is converted where it is used, not where its load is issued (a
+    conversion right after the load would wait for it there)."""
     if cfg.weight_format == INT4:
-        return fx.BFloat16(load(s_res, gi * 2, T.bf16)).to(fx.Float32)
-    b = fx.Uint8(load(s_res, gi, T.i8)).to(fx.Int32)     # zero-extended byte
-    return L.e8m0_f32_bits(b).bitcast(fx.Float32)
+        return fx.BFloat16(load(s_res, gi * 2, T.bf16))
+    return fx.Uint8(load(s_res, gi, T.i8))
 
 
-def load_offset(o_res, gi):
-    return fx.BFloat16(load(o_res, gi * 2, T.bf16)).to(fx.Float32)
+def scale_value(cfg, raw):
+    """A raw scale as f32."""
+    if cfg.weight_format == INT4:
+        return raw.to(fx.Float32)
+    return L.e8m0_f32_bits(raw.to(fx.Int32)).bitcast(fx.Float32)     # zero-extended byte
+
+
+def load_offset_raw(o_res, gi):
+    return fx.BFloat16(load(o_res, gi * 2, T.bf16))
+
+
+def offset_value(raw):
+    return raw.to(fx.Float32)
 
 
 # --------------------------------------------------------------------- decode

@@ -94,12 +94,16 @@ def _lds_plan(cfg, tile_type, tid, bid_m, rsid, sentinel):
     return lds, plan
 
 
-def _stage_tile(cfg, ra, lds, plan, kb0):
-    """Cooperative copy of the BM x 128*U activation tile of blocks kb0.. into LDS."""
+def _load_tile(cfg, ra, plan, kb0):
+    """This thread's share of the BM x 128*U activation tile of blocks kb0.., into registers."""
+    return [D.load_v4i32(ra, L.staged_act_byte_offset(a_row, kb0, cc, cfg.K)) for a_row, _, cc in plan]
+
+
+def _store_tile(cfg, lds, plan, chunks):
+    """The loaded share into LDS, then the barrier that makes the whole tile readable."""
     if not cfg.a_lds:
         return
-    for a_row, row, cc in plan:
-        v = D.load_v4i32(ra, L.staged_act_byte_offset(a_row, kb0, cc, cfg.K))
+    for (_, row, cc), v in zip(plan, chunks):
         fx.ptr_store(v, fx.add_offset(lds, L.lds_byte_offset(row, cc * 8, cfg.kb_unroll) >> 2))
     gpu.barrier()
 
@@ -114,9 +118,9 @@ def _load_weights(cfg, rw, rs, ro, w_rows, kb, g):
     for row in w_rows:
         gi = L.group_index(row, kb, g, cfg.K)
         words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
-        # quantized activations: the raw e8m0 byte goes to the scaled MFMA
-        scales.append(D.load_u8(rs, gi) if cfg.quantized else D.load_scale(cfg, rs, gi))
-        offsets.append(D.load_offset(ro, gi) if cfg.has_offsets else None)
+        # raw: the scaled MFMA takes the e8m0 byte zero-extended; bf16 kernels convert at use
+        scales.append(D.load_u8(rs, gi) if cfg.quantized else D.load_scale_raw(cfg, rs, gi))
+        offsets.append(D.load_offset_raw(ro, gi) if cfg.has_offsets else None)
     return words, scales, offsets
 
 
@@ -140,17 +144,13 @@ def _mma_block_scaled(cfg, accs, words, w_scales, xs, x_scales):
     return new
 
 
-def _load_activations(cfg, ra, lds, a_rows, kb, u, g, r):
-    """v8bf16 fragments [mi * 4 + j]: rows a_rows[mi], k = 128*kb + 32g + 8j + [0, 8)."""
+def _lds_activations(cfg, lds, u, g, r):
+    """v8bf16 fragments [mi * 4 + j] of the staged tile: rows mi*16 + r, k = 128*u + 32g + 8j + [0, 8)."""
     xs = []
     for mi in range(cfg.BM // L.MFMA_TILE):
         for j in range(4):
-            if cfg.a_lds:
-                lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + g * L.GROUP + j * 8, cfg.kb_unroll)
-                xv = fx.Vector(fx.ptr_load(fx.add_offset(lds, lofs >> 2), T.vec(4, T.i32)))
-            else:
-                xv = D.load_v4i32(ra, L.act_byte_offset(a_rows[mi], kb, g, j, cfg.K))
-            xs.append(xv.bitcast(fx.BFloat16))
+            lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + g * L.GROUP + j * 8, cfg.kb_unroll)
+            xs.append(fx.Vector(fx.ptr_load(fx.add_offset(lds, lofs >> 2), T.vec(4, T.i32))).bitcast(fx.BFloat16))
     return xs
 
 
@@ -167,13 +167,36 @@ def _mma_block(cfg, accs, words, scales, offsets, xs):
     return new
 
 
-def _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb, u, g, r):
-    """Loads and MFMAs of one K128 block (a plain function: its Python `if`s are compile-time)."""
+def _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb, g):
+    """Everything one K128 block reads from global memory, flat: weight words, scales, offsets,
+    then (unless staged through LDS) the activation fragments and their scales."""
     words, scales, offsets = _load_weights(cfg, rw, rs, ro, w_rows, kb, g)
+    loaded = list(words) + list(scales) + (list(offsets) if cfg.has_offsets else [])
     if cfg.quantized:
         xs, x_scales = _load_qactivations(cfg, ra, ras, a_rows, kb, g)
-        return _mma_block_scaled(cfg, accs, words, scales, xs, x_scales)
-    xs = _load_activations(cfg, ra, lds, a_rows, kb, u, g, r)
+        return loaded + xs + x_scales
+    if cfg.a_lds:
+        return loaded
+    return loaded + [D.load_v4i32(ra, L.act_byte_offset(a_rows[mi], kb, g, j, cfg.K))
+                     for mi in range(cfg.BM // L.MFMA_TILE) for j in range(4)]
+
+
+def _compute_block(cfg, accs, loaded, lds, u, g, r):
+    """The MFMAs of one K128 block on what `_load_block` loaded (a plain function: its Python `if`s
+    are compile-time)."""
+    n = cfg.n_rep * (2 if cfg.stage == 1 else 1)
+    m_rep = cfg.BM // L.MFMA_TILE
+    words, scales, rest = loaded[:n], loaded[n:2 * n], loaded[2 * n:]
+    offsets = rest[:n] if cfg.has_offsets else [None] * n
+    rest = rest[n:] if cfg.has_offsets else rest
+    if cfg.quantized:
+        return _mma_block_scaled(cfg, accs, words, scales, rest[:m_rep], rest[m_rep:])
+    if cfg.a_lds:
+        xs = _lds_activations(cfg, lds, u, g, r)
+    else:
+        xs = [fx.Vector(v).bitcast(fx.BFloat16) for v in rest]
+    scales = [D.scale_value(cfg, sc) for sc in scales]
+    offsets = [None if o is None else D.offset_value(o) for o in offsets]
     return _mma_block(cfg, accs, words, scales, offsets, xs)
 
 
@@ -318,14 +341,44 @@ def build(cfg: KernelConfig):
         accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_acc)]
         return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, slots, p_rows), accs
 
-    def k_iteration(ops, accs, it, g, r):
+    tile_len = len(range(0, BM * 16 * U, threads)) if cfg.a_lds else 0
+
+    def load_iteration(ops, it, g):
+        """Every global load of K iteration `it` (its U blocks and its staged tile share), flat."""
         rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows = ops[:9]
-        kb0 = (fx.Int32(fx.block_idx.z) * iters + fx.Int32(it)) * U
-        _stage_tile(cfg, ra, lds, plan, kb0)
+        kb0 = (fx.Int32(fx.block_idx.z) * iters + it) * U
+        loaded = _load_tile(cfg, ra, plan, kb0)
         for u in range(U):
-            accs = _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb0 + u, u, g, r)
+            loaded += _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb0 + u, g)
+        return loaded
+
+    def compute_iteration(ops, accs, loaded, g, r):
+        lds, plan = ops[5], ops[6]
+        _store_tile(cfg, lds, plan, loaded[:tile_len])
+        per_block = (len(loaded) - tile_len) // U
+        for u in range(U):
+            block = loaded[tile_len + u * per_block:tile_len + (u + 1) * per_block]
+            accs = _compute_block(cfg, accs, block, lds, u, g, r)
         _end_tile(cfg)
         return accs
+
+    # With cfg.prefetch the K loop is software-pipelined: iteration it+1's loads are issued before
+    # iteration it's MFMAs (carried in registers), so the MFMAs never wait for the block being
+    # fetched; the last iteration is peeled. Without it each iteration loads, then computes.
+    k_steps = iters - 1 if cfg.prefetch else iters
+    k_unroll = 1 if cfg.prefetch else -1      # a second copy would make LLVM copy the carried registers
+
+    def k_start(ops, g):
+        return load_iteration(ops, fx.Int32(0), g) if cfg.prefetch else []
+
+    def k_step(ops, accs, carried, it, g, r):
+        if cfg.prefetch:
+            nxt = load_iteration(ops, it + 1, g)
+            return compute_iteration(ops, accs, carried, g, r), nxt
+        return compute_iteration(ops, accs, load_iteration(ops, it, g), g, r), carried
+
+    def k_finish(ops, accs, carried, g, r):
+        return compute_iteration(ops, accs, carried, g, r) if cfg.prefetch else accs
 
     def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
         slots, p_rows = ops[9:]
@@ -344,8 +397,10 @@ def build(cfg: KernelConfig):
             lane, wave, g, r, expert = prologue(tid, BE)
             if _live(cfg, expert):                        # unused alignment blocks exit at once
                 ops, accs = operands(A, W, S, OFS, SID, AS, expert, tid, wave, r, num_tokens, num_rows)
-                for it in range(iters):
-                    accs = k_iteration(ops, accs, it, g, r)
+                carried = k_start(ops, g)
+                for it in range(k_steps, unroll=k_unroll):
+                    accs, carried = k_step(ops, accs, carried, fx.Int32(it), g, r)
+                accs = k_finish(ops, accs, carried, g, r)
                 epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
 
         @flyc.jit
@@ -364,8 +419,10 @@ def build(cfg: KernelConfig):
             lane, wave, g, r, expert = prologue(tid, BE)
             if _live(cfg, expert):                        # unused alignment blocks exit at once
                 ops, accs = operands(A, W, S, OFS, SID, None, expert, tid, wave, r, num_tokens, num_rows)
-                for it in range(iters):
-                    accs = k_iteration(ops, accs, it, g, r)
+                carried = k_start(ops, g)
+                for it in range(k_steps, unroll=k_unroll):
+                    accs, carried = k_step(ops, accs, carried, fx.Int32(it), g, r)
+                accs = k_finish(ops, accs, carried, g, r)
                 epilogue(ops, accs, Y, None, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
             else:
                 _skipped_block(cfg, Y, num_tokens, wave, g, r)

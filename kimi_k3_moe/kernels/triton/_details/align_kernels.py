@@ -9,7 +9,7 @@ Four launches (one, align_small_kernel, for a small batch), no host synchronisat
           CUDA graph starts from zero every time);
   count   local expert of each pair (expert_map applied, -1 = not on this rank),
           per-expert counts (atomics), padding rows of `sorted_pairs` set to
-          the sentinel `num_pairs`;
+          the sentinel `num_pairs` and every block's expert to -1;
   offsets one program: exclusive prefix sum of the padded counts -> each
           expert's first row, and the total number of rows (per block size);
   scatter each pair takes a slot in its expert (atomics hand out slots; the
@@ -30,9 +30,10 @@ def align_zero_kernel(ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_rows"])
-def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr, sorted_b_ptr,
-                       num_pairs, max_rows, max_rows_b,
-                       HAS_MAP: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr, sorted_b_ptr, block_expert_ptr,
+                       block_expert_b_ptr, num_pairs, max_rows, max_rows_b,
+                       HAS_MAP: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_M_B: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -43,16 +44,22 @@ def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr, sort
         e = tl.load(map_ptr + e, mask=valid & (e >= 0), other=-1).to(tl.int32)
     tl.store(local_ptr + offs, e, mask=valid)
     tl.atomic_add(counts_ptr + e, 1, mask=valid & (e >= 0))
-    _fill_sentinel(sorted_ptr, max_rows, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK)
+    _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK, BLOCK_M)
     if TWO:
-        _fill_sentinel(sorted_b_ptr, max_rows_b, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK)
+        _fill_unused(sorted_b_ptr, block_expert_b_ptr, max_rows_b, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK,
+                     BLOCK_M_B)
 
 
 @triton.jit
-def _fill_sentinel(sorted_ptr, max_rows, num_pairs, first, step, BLOCK: tl.constexpr):
+def _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, first, step, BLOCK: tl.constexpr,
+                 BLOCK_M: tl.constexpr):
+    """Every row the padding sentinel and every block expert -1, before the real ones land: kernels
+    that read no num_rows (the FlyDSL ones) skip the blocks past the rows in use by that -1 alone."""
     for start in range(first, max_rows, step):
         rows = start + tl.arange(0, BLOCK)
         tl.store(sorted_ptr + rows, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=rows < max_rows)
+        tl.store(block_expert_ptr + rows // BLOCK_M, tl.full([BLOCK], -1, tl.int32),
+                 mask=(rows < max_rows) & (rows % BLOCK_M == 0))
 
 
 @triton.jit
@@ -129,9 +136,9 @@ def align_small_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offset
         e = tl.load(map_ptr + e, mask=valid & (e >= 0), other=-1).to(tl.int32)
     tl.store(local_ptr + pair, e, mask=valid)
     ok = valid & (e >= 0)
-    _fill_sentinel(sorted_ptr, max_rows, num_pairs, 0, BLOCK, BLOCK)
+    _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, 0, BLOCK, BLOCK, BLOCK_M)
     if TWO:
-        _fill_sentinel(sorted_b_ptr, max_rows_b, num_pairs, 0, BLOCK, BLOCK)
+        _fill_unused(sorted_b_ptr, block_expert_b_ptr, max_rows_b, num_pairs, 0, BLOCK, BLOCK, BLOCK_M_B)
     tl.debug_barrier()  # counters zero and sentinels stored before the counts and the real rows
     tl.atomic_add(counts_ptr + e, 1, mask=ok)
     slot = tl.atomic_add(fill_ptr + e, 1, mask=ok)
@@ -143,57 +150,3 @@ def align_small_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offset
         _place_small(pair, e, slot, ok, counts, x, offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, num_rows_b_ptr,
                      num_experts, BLOCK_M_B)
 
-
-@triton.jit
-def _checked_local(ids_ptr, map_ptr, pair, valid, num_experts, num_ids, HAS_MAP: tl.constexpr):
-    """Local expert of each pair, -1 for a pair not on this rank or an id out of range: compared in the
-    ids' own dtype (an int64 id is never truncated into range), so no id can make a kernel read past
-    the experts."""
-    raw = tl.load(ids_ptr + pair, mask=valid, other=-1)
-    if HAS_MAP:
-        known = valid & (raw >= 0) & (raw < num_ids)
-        e = tl.load(map_ptr + tl.where(known, raw, 0), mask=known, other=-1)
-    else:
-        e = raw
-    ok = valid & (e >= 0) & (e < num_experts)
-    return tl.where(ok, e, -1).to(tl.int32)
-
-
-@triton.jit
-def _fill(ptr, n, value, BLOCK: tl.constexpr):
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(ptr + offs, tl.full([BLOCK], 0, tl.int32) + value, mask=offs < n)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks", "num_ids"])
-def align_one_program_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offsets_ptr, sorted_ptr,
-                             block_expert_ptr, num_rows_ptr, num_pairs, max_rows, max_blocks, num_experts, num_ids,
-                             HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-                             E_POW2: tl.constexpr):
-    """Every step of the four launches in one program, looping over the pairs BLOCK at a time, so a
-    forward aligns its routing in one launch at any batch size. Blocks past the rows in use get
-    expert -1 (kernels that do not read num_rows skip them by that alone)."""
-    x = tl.arange(0, E_POW2)
-    zeros = tl.zeros([E_POW2], dtype=tl.int32)
-    tl.store(counts_ptr + x, zeros, mask=x < num_experts)
-    tl.store(fill_ptr + x, zeros, mask=x < num_experts)
-    _fill(sorted_ptr, max_rows, num_pairs, BLOCK)
-    _fill(block_expert_ptr, max_blocks, -1, BLOCK)
-    tl.debug_barrier()  # counters zero, sentinels and -1 blocks stored before anything real lands
-    for start in range(0, num_pairs, BLOCK):
-        pair = start + tl.arange(0, BLOCK)
-        valid = pair < num_pairs
-        e = _checked_local(ids_ptr, map_ptr, pair, valid, num_experts, num_ids, HAS_MAP)
-        tl.store(local_ptr + pair, e, mask=valid)
-        tl.atomic_add(counts_ptr + e, 1, mask=e >= 0)
-    tl.debug_barrier()  # every count complete (and every local id stored) before either is read
-    counts = tl.load(counts_ptr + x, mask=x < num_experts, other=0, cache_modifier=".cg")
-    _first_rows(counts, x, offsets_ptr, num_rows_ptr, num_experts, BLOCK_M)
-    tl.debug_barrier()  # each expert's first row visible to the threads that place its pairs
-    for start in range(0, num_pairs, BLOCK):
-        pair = start + tl.arange(0, BLOCK)
-        e = tl.load(local_ptr + pair, mask=pair < num_pairs, other=-1)
-        ok = e >= 0
-        slot = tl.atomic_add(fill_ptr + e, 1, mask=ok)
-        _place(pair, e, slot, ok, offsets_ptr, sorted_ptr, block_expert_ptr, BLOCK_M)
