@@ -35,7 +35,8 @@ TIERS = (1, 4, 16, 64, 128, 256, 1024, 4096, 16384)
 FORMAT = {"gfx950": "mxfp4", "gfx942": "int4"}
 SCALE_BYTES = {"mxfp4": 1, "int4": 2}          # per 32 weights: e8m0 byte, bf16 group scale
 MFMA_K = {"gfx950": 32, "gfx942": 16}
-# aiter's published a16w4 gfx950 stage timings (stage 1, stage 2; us) at this shape
+# aiter's published a16w4 gfx950 stage timings (stage 1, stage 2; us) at this shape, from its
+# tuned K3 table (kimik3_fp4_tuned_fmoe.csv)
 PUBLISHED = {1: (15.3, 11.5), 16: (62.3, 41.0), 128: (209.9, 128.5), 1024: (243.1, 164.4),
              16384: (1595.7, 1500.6)}
 # constants from the last fit (see docs/FLYDSL.md); used when aiter's source is absent
@@ -94,8 +95,8 @@ class PeerSpec:
 
 
 def peer_specs(arch: str, tokens: int) -> tuple[PeerSpec, PeerSpec]:
-    """aiter's tiles at this token count: K3_FACTS section 8 (its tuned gfx950 table: t32x32x256 with
-    K over 2 waves at 1 token, t32x128x128 from 16 tokens; block 16 up to 512 tokens since its PR 5118),
+    """aiter's tiles at this token count: its tuned gfx950 K3 table (t32x32x256 with K over 2 waves at
+    1 token, t32x128x128 from 16 tokens; block 16 up to 512 tokens since aiter PR 5118),
     and for gfx942 int4 its host's defaults (tile_n 128, 64 at BM 64; tile_k 256; a16wi4 block_m rule)."""
     if arch == "gfx950":
         bm = 16 if tokens <= 512 else 32
