@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fly_helpers import output_dir, toolchain_or_skip
-from kimi_k3_moe.kernels.flydsl import artifacts
+from kimi_k3_moe.kernels.flydsl import artifacts, isa_model
 from kimi_k3_moe.kernels.flydsl.build import compile_many
 from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU, OTHER_SITU, ci_configs
 
@@ -81,6 +81,27 @@ def test_quantized_activation_kernels_use_the_right_operand_formats(compiled, cf
         assert re.search(r"^\s*buffer_store_(dword|short)\s", text, re.M)
     else:
         assert isa["ds_bpermute"] == 0
+
+
+MOE = [c for c in CONFIGS if c.stage]
+
+
+@pytest.mark.parametrize("cfg", MOE, ids=[c.name for c in MOE])
+def test_speed_model_reads_every_kernel(compiled, cfg):
+    """benchmarks/flydsl_model.py's ISA model: the K loop runs a whole number of trips for the wave's
+    MFMA work, and its occupancy is the resource table's."""
+    kernel = isa_model.parse(Path(compiled[cfg.name].report["isa_file"]).read_text(), cfg.name)
+    k_mfma = 128 if cfg.quantized else int(cfg.mfma.split("x")[-1])
+    cols = (2 if cfg.stage == 1 else 1) * cfg.n_rep * 16            # a wave's columns (gate and up on stage 1)
+    work = cfg.BM * cols * (cfg.K // cfg.split_k) // (16 * 16 * k_mfma)
+    loops = kernel.loops()
+    inside = sum(kernel.mfma_count(start, end + 1) for start, end in loops)
+    outside = kernel.mfma_count() - inside
+    assert (work - outside) % inside == 0 if inside else work == outside, (work, outside, inside)
+    assert kernel.waves_per_workgroup == cfg.waves
+    occ = artifacts.occupancy(cfg.arch, vgpr=kernel.vgpr, agpr=kernel.agpr, accum_offset=kernel.accum_offset,
+                              lds_bytes=kernel.lds_bytes, waves_per_workgroup=kernel.waves_per_workgroup)
+    assert occ == compiled[cfg.name].report["occupancy"]
 
 
 def test_act_dtypes_never_share_a_cache_entry(compiled):
