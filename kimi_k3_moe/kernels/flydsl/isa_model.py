@@ -179,7 +179,10 @@ def simulate(kernel: Kernel, latency: float, trips: dict[int, int] | None = None
         count += 1
         op = ins.op
         if op == "s_endpgm":
-            break
+            if pc == len(instrs) - 1:
+                break
+            pc += 1     # an exit laid out mid-body serves workgroups without work: the modelled wave goes on
+            continue
         if op == "s_waitcnt":
             for which, n in _WAIT.findall(ins.args):
                 queue = vm if which == "vmcnt" else lgkm
