@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fly_helpers import output_dir, toolchain_or_skip
-from kimi_k3_moe.kernels.flydsl import artifacts
+from kimi_k3_moe.kernels.flydsl import artifacts, isa_model
 from kimi_k3_moe.kernels.flydsl.build import compile_many
 from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU, OTHER_SITU, ci_configs
 
@@ -101,6 +101,27 @@ def test_the_pipelining_check_flags_a_loop_that_waits_for_its_own_loads():
     pipelined = ".LBB0_1:\n s_waitcnt vmcnt(0)\n v_mov_b32 v12, v0\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \
                 " v_mfma_f32_16x16x32_bf16 v[8:11], v[12:15], v[12:15], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
     assert artifacts.k_loop_self_waits(waits) and artifacts.k_loop_self_waits(pipelined) == []
+
+
+MOE = [c for c in CONFIGS if c.stage]
+
+
+@pytest.mark.parametrize("cfg", MOE, ids=[c.name for c in MOE])
+def test_speed_model_reads_every_kernel(compiled, cfg):
+    """benchmarks/flydsl_model.py's ISA model: the K loop runs a whole number of trips for the wave's
+    MFMA work, and its occupancy is the resource table's."""
+    kernel = isa_model.parse(Path(compiled[cfg.name].report["isa_file"]).read_text(), cfg.name)
+    k_mfma = 128 if cfg.quantized else int(cfg.mfma.split("x")[-1])
+    cols = (2 if cfg.stage == 1 else 1) * cfg.n_rep * 16            # a wave's columns (gate and up on stage 1)
+    work = cfg.BM * cols * (cfg.K // cfg.split_k) // (16 * 16 * k_mfma)
+    loops = kernel.loops()
+    inside = sum(kernel.mfma_count(start, end + 1) for start, end in loops)
+    outside = kernel.mfma_count() - inside
+    assert (work - outside) % inside == 0 if inside else work == outside, (work, outside, inside)
+    assert kernel.waves_per_workgroup == cfg.waves
+    occ = artifacts.occupancy(cfg.arch, vgpr=kernel.vgpr, agpr=kernel.agpr, accum_offset=kernel.accum_offset,
+                              lds_bytes=kernel.lds_bytes, waves_per_workgroup=kernel.waves_per_workgroup)
+    assert occ == compiled[cfg.name].report["occupancy"]
 
 
 def test_act_dtypes_never_share_a_cache_entry(compiled):
