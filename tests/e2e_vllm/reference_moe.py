@@ -79,16 +79,18 @@ class ReferenceMoEMethod(FusedMoEMethodBase):
                      "no-linear-beta": _situ(beta, None)}
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        # Expert by expert, each over all its tokens in token order. A row's fp32 GEMM result
+        # depends on how many rows the GEMM has (other BLAS kernels); a different grouping flips
+        # single bf16 ulps of the output, which moves this model's logprobs by ~0.01.
         xf = x.float()
         out = torch.zeros_like(xf)
         inter = self.w13.shape[1] // 2
         act = self.acts[_variant]
-        for slot in range(topk_ids.shape[1]):
-            for e in topk_ids[:, slot].unique().tolist():
-                rows = topk_ids[:, slot] == e
-                h13 = xf[rows] @ self.w13[e].T
-                y = act(h13[:, :inter], h13[:, inter:]) @ self.w2[e].T
-                out[rows] += topk_weights[rows, slot, None].float() * y
+        for e in torch.unique(topk_ids).tolist():
+            token, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            h13 = xf[token] @ self.w13[e].T
+            y = (act(h13[:, :inter], h13[:, inter:]) @ self.w2[e].T) * topk_weights[token, slot, None].float()
+            out.index_add_(0, token, y)
         return out.to(x.dtype)
 
 
