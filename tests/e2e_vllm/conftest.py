@@ -17,10 +17,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-CHECKOUT = HERE.parents[1]
-VLLM_PYTHON = os.environ.get("KIMI_K3_MOE_VLLM_PYTHON")
-SHIM, REFERENCE, PLUGIN = "k3_cpu_shim", "k3_reference_moe", "kimi_k3_moe"
+from k3_e2e import CHECKOUT, HERE, REFERENCE, SHIM, VLLM_PYTHON
 
 ENTRY_POINTS = f"""[vllm.general_plugins]
 {SHIM} = k3_cpu_shim:register

