@@ -26,7 +26,9 @@ What is replaced, and why:
   the gated delta rule as a per-token loop, with the kernels' gate (softplus
   or lower-bound sigmoid), l2-normalised q/k and state layout [slot, H, V, K].
 The KDA convolutions, the gated output norm and the attention itself
-(vLLM's CPU_MLA backend) are vLLM's own CPU code.
+(vLLM's CPU_MLA backend) are vLLM's own CPU code. The MLA and KDA patches are
+applied in each worker right after `CpuPlatform.register_triton_kernel_overrides`
+(see `register`), before the model is built.
 """
 from __future__ import annotations
 
