@@ -25,6 +25,7 @@ from flydsl.expr import gpu, range_constexpr, rocdl
 from flydsl.expr.typing import T
 
 from kimi_k3_moe.act_quant import FP8
+from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.kernels.flydsl import layout as L
 from kimi_k3_moe.kernels.flydsl._details import device as D
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig
@@ -95,13 +96,20 @@ def _end_tile(cfg):
 
 
 def _load_weights(cfg, rw, rs, ro, w_rows, kb, g):
+    """Per weight row: its 16-byte code chunk; MXFP4: the chunk's scale (group 4kb + g);
+    int4: the row's 4 scales (and offsets) of the block as f32, one 8-byte load each."""
     words, scales, offsets = [], [], []
     for row in w_rows:
-        gi = L.group_index(row, kb, g, cfg.K)
         words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
+        if cfg.weight_format == INT4:
+            qi = L.int4_group_quad_index(row, kb, cfg.K)
+            scales.append(D.load_bf16x4_f32(rs, qi))
+            offsets.append(D.load_bf16x4_f32(ro, qi) if cfg.has_offsets else None)
+            continue
+        gi = L.group_index(row, kb, g, cfg.K)
         # quantized activations: the raw e8m0 byte goes to the scaled MFMA
-        scales.append(D.load_u8(rs, gi) if cfg.quantized else D.load_scale(cfg, rs, gi))
-        offsets.append(D.load_offset(ro, gi) if cfg.has_offsets else None)
+        scales.append(D.load_u8(rs, gi) if cfg.quantized else D.load_scale(rs, gi))
+        offsets.append(None)
     return words, scales, offsets
 
 
@@ -140,31 +148,74 @@ def _load_activations(cfg, ra, lds, a_rows, kb, u, g, r):
 
 
 def _mma_block(cfg, accs, words, scales, offsets, xs):
-    """4 MFMA steps over one K128 block for every (weight sub-tile, row sub-tile) pair."""
+    """MXFP4: 4 MFMA steps over one K128 block for every (weight sub-tile, row sub-tile) pair."""
     m_rep = cfg.BM // L.MFMA_TILE
     new = list(accs)
     for j in range(4):
         for wi in range(len(words)):
-            w8 = D.dequant8(cfg, fx.Int32(words[wi][j]), scales[wi], offsets[wi])
+            w8 = D.dequant8(cfg, fx.Int32(words[wi][j]), scales[wi])
             for mi in range(m_rep):
                 a = wi * m_rep + mi
                 new[a] = D.mma(cfg, new[a], w8, xs[mi * 4 + j])
     return new
 
 
-def _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb, u, g, r):
+def _load_int4_activations(cfg, ra, lds, a_rows, kb, u, g, r):
+    """v8bf16 [mi * 4 + G]: rows a_rows[mi], elements j = 0..7 paired with group dword G."""
+    xs = []
+    for mi in range(cfg.BM // L.MFMA_TILE):
+        for G in range(4):
+            if cfg.a_lds:
+                lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.kb_unroll)
+                xv = fx.Vector(fx.ptr_load(fx.add_offset(lds, lofs >> 2), T.vec(4, T.i32)))
+            else:
+                xv = D.load_v4i32(ra, L.int4_act_byte_offset(a_rows[mi], kb, G, g, cfg.K))
+            xs.append(xv.bitcast(fx.BFloat16))
+    return xs
+
+
+def _int4_block(cfg, accs, words, scales, offsets, xs, high):
+    """int4, one K128 block: per scale group G an MFMA chain per tile on the raw q + 136 values,
+    scaled in fp32 (layout.py's int4 notes). Activations are A, weights B."""
+    m_rep = cfg.BM // L.MFMA_TILE
+    zero = fx.Vector.filled(4, 0.0, fx.Float32)
+    const = D.int4_constant8(L.INT4_ONES_WORDS if cfg.has_offsets else L.INT4_NEG_BIAS_WORDS)
+    new = list(accs)
+    for G in range(4):
+        # per row tile: -136 sum x (symmetric: the chains' start) or sum x (offsets)
+        base = [D.mma(cfg, zero, xs[mi * 4 + G], const) for mi in range(m_rep)]
+        for wi in range(len(words)):
+            w8 = D.int4_decode8(words[wi][G], high)
+            s = scales[wi][G]
+            if cfg.has_offsets:
+                c = fx.math.fma(s, fx.Float32(-float(L.INT4_BIAS)), offsets[wi][G])
+            for mi in range(m_rep):
+                a = wi * m_rep + mi
+                p = D.mma(cfg, zero if cfg.has_offsets else base[mi], xs[mi * 4 + G], w8)
+                new[a] = D.fma4(p, s, new[a])
+                if cfg.has_offsets:
+                    new[a] = D.fma4(base[mi], c, new[a])
+    return new
+
+
+def _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb, u, g, r, high=None):
     """Loads and MFMAs of one K128 block (a plain function: its Python `if`s are compile-time)."""
     words, scales, offsets = _load_weights(cfg, rw, rs, ro, w_rows, kb, g)
     if cfg.quantized:
         xs, x_scales = _load_qactivations(cfg, ra, ras, a_rows, kb, g)
         return _mma_block_scaled(cfg, accs, words, scales, xs, x_scales)
+    if cfg.weight_format == INT4:
+        xs = _load_int4_activations(cfg, ra, lds, a_rows, kb, u, g, r)
+        return _int4_block(cfg, accs, words, scales, offsets, xs, high)
     xs = _load_activations(cfg, ra, lds, a_rows, kb, u, g, r)
     return _mma_block(cfg, accs, words, scales, offsets, xs)
 
 
 def _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g,
-            lane):
-    if cfg.quantized and cfg.stage == 1:
+            lane, rsid=None, r=None):
+    if cfg.weight_format == INT4:
+        _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, r)
+    elif cfg.quantized and cfg.stage == 1:
         _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, lane)
     else:
         _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g)
@@ -197,6 +248,44 @@ def _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_
                     D.store_u16(word, ry, off)
             # the four lanes of a row hold the same byte; each stores it (same value, same address)
             D.store_u8(b, rys, L.qinter_scale_offset(p_rows[mi], n0s[0], N))
+
+
+def _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, r):
+    """int4 tiles hold OUT[m0 + 4g + e][n0 + r] in register e (layout.int4_out_coords): one bf16
+    store per element; stage 2 looks up the slot (and router weight) of each of its 4 rows."""
+    m_rep = cfg.BM // L.MFMA_TILE
+    N = cfg.N
+    if cfg.stage == 1:
+        ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_rows) * (N * 2))
+        params = D.activation_params(cfg, beta, lin_beta)
+    else:
+        rtw = D.rsrc(fx.get_iter(TW), fx.Int64(num_tokens) * (cfg.top_k * 4))  # padding slot reads 0
+        per_token = cfg.top_k * N * 2 if cfg.reduce == "slots" else N * 4
+        ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * per_token)          # padding slot: dropped
+    coords = [L.int4_out_coords(g, r, e) for e in range(4)]
+    for mi in range(m_rep):
+        p0 = L.tile_origin(bid_m, bid_n, wave, 0, mi, cfg.BM, cfg.BN, cfg.n_rep)[0]
+        rows = [p0 + dm for dm, _ in coords]
+        if cfg.stage == 2:
+            slots = [D.load_i32(rsid, L.sid_byte_offset(p)) for p in rows]
+            weights = [D.load_f32(rtw, L.router_weight_byte_offset(s)) for s in slots]
+        for ni in range(cfg.n_rep):
+            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+            if cfg.stage == 1:
+                gate = accs[(ni * 2 + 0) * m_rep + mi]
+                up = accs[(ni * 2 + 1) * m_rep + mi]
+                for e in range(4):
+                    y = D.activate(cfg, params, fx.Float32(gate[e]), fx.Float32(up[e]))
+                    D.store_bf16(y, ry, L.inter_byte_offset(rows[e], n0 + coords[e][1], N))
+                continue
+            acc = accs[ni * m_rep + mi]
+            for e in range(4):
+                y = fx.Float32(acc[e]) * weights[e]
+                n_col = n0 + coords[e][1]
+                if cfg.reduce == "slots":
+                    D.store_bf16(y, ry, L.slot_out_byte_offset(slots[e], n_col, N))
+                else:
+                    D.atomic_add_f32(y, ry, L.acc_byte_offset(L.slot_token(slots[e], cfg.top_k), n_col, N))
 
 
 def _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
@@ -283,21 +372,22 @@ def build(cfg: KernelConfig):
         w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
         lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid)
         accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_acc)]
-        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, slots, p_rows), accs
+        high = D.int4_word_high() if cfg.weight_format == INT4 else None
+        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid), accs
 
     def k_iteration(ops, accs, it, g, r):
-        rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows = ops[:9]
+        rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high = ops[:10]
         kb0 = (fx.Int32(fx.block_idx.z) * iters + fx.Int32(it)) * U
         _stage_tile(cfg, ra, lds, plan, kb0)
         for u in range(U):
-            accs = _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb0 + u, u, g, r)
+            accs = _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb0 + u, u, g, r, high)
         _end_tile(cfg)
         return accs
 
     def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
-        slots, p_rows = ops[9:]
+        slots, p_rows, rsid = ops[10:]
         _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
-                fx.block_idx.x, fx.block_idx.y, wave, g, lane)
+                fx.block_idx.x, fx.block_idx.y, wave, g, lane, rsid, L.lane_split(lane)[1])
 
     # Two signatures: quantized kernels take the activation scales AS and stage 1's output
     # scales YS. The bf16 kernels keep the shorter one: two more (unused) kernel arguments
