@@ -48,11 +48,20 @@ def test_int4_kernel_decode_is_bit_exact_for_every_code_position_and_group(gen, 
 
 def test_int4_kernel_constants_are_the_bf16_values_they_stand_for():
     w = torch.tensor([x - (1 << 32) if x >= 1 << 31 else x for x in
-                      (L.INT4_WORD_HIGH, *L.INT4_NEG_BIAS_WORDS, *L.INT4_ONES_WORDS)], dtype=torch.int64)
+                      (L.INT4_WORD_HIGH, *L.INT4_NEG_BIAS_WORDS)], dtype=torch.int64)
     vals = _bf16_halves(w)
     assert vals[:2].tolist() == [128.0, 128.0]                    # 0x4300 | u = 128 + u, u = q + 8
-    assert set(vals[2:10].tolist()) == {-float(L.INT4_BIAS)} and set(vals[10:].tolist()) == {1.0}
+    assert set(vals[2:].tolist()) == {-float(L.INT4_BIAS)}
     assert L.INT4_WORD_MASK == 0x000F000F and L.INT4_XOR == 0x88
+
+
+def test_int4_offset_word_puts_group_gs_offset_in_both_halves(gen):
+    offs = torch.randn(1000, 4, generator=gen).to(torch.bfloat16)
+    pairs = offs.view(torch.int32).long()                          # the 8-byte load: 2 dwords per row
+    for G in range(4):
+        w = L.int4_offset_word(pairs[:, G >> 1], G) & 0xFFFFFFFF
+        halves = _bf16_halves(torch.where(w >= 2**31, w - 2**32, w)[:, None])
+        assert torch.equal(halves, offs[:, G:G + 1].double().expand(-1, 2))
 
 
 def test_int4_kernel_loads_cover_a_block_once():

@@ -184,37 +184,44 @@ def _constant8(words) -> torch.Tensor:
 
 
 def _int4_block(cfg, accs, rw, rs, ro, act, lds, w_rows, a_rows, kb, u, g, r, m_rep):
-    """One K128 block of an int4 kernel, in the kernels' order (moe_gemm._int4_block)."""
+    """One K128 block of an int4 kernel, in the kernels' order (moe_gemm._int4_block); with
+    offsets, accs[n:] are the offset accumulators."""
     K = cfg.K
     words, scales, offsets = [], [], []
     for row in w_rows:
         words.append(_words(rw.load(L.w_byte_offset(row, kb, g, K), 16)))
         qi = L.int4_group_quad_index(row, kb, K)
         scales.append(_bf16_words(rs.load(qi * 2, 8)))
-        offsets.append(_bf16_words(ro.load(qi * 2, 8)) if cfg.has_offsets else None)
-    xs = []
-    for mi in range(m_rep):
-        for G in range(4):
-            if cfg.a_lds:
-                lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.kb_unroll)
-                xs.append(_bf16(_lds_read(lds, lofs)))
-            else:
-                xs.append(_bf16(act.load(L.int4_act_byte_offset(a_rows[mi], kb, G, g, K), 16)))
+        offsets.append(_words(ro.load(qi * 2, 8)) if cfg.has_offsets else None)
+
+    def load_x(mi, G):
+        if cfg.a_lds:
+            lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.kb_unroll)
+            return _bf16(_lds_read(lds, lofs))
+        return _bf16(act.load(L.int4_act_byte_offset(a_rows[mi], kb, G, g, K), 16))
+
+    n = len(w_rows) * m_rep
     zero = torch.zeros(16, 16)
-    const = _constant8(L.INT4_ONES_WORDS if cfg.has_offsets else L.INT4_NEG_BIAS_WORDS)
+    neg_bias = _constant8(L.INT4_NEG_BIAS_WORDS)
     for G in range(4):
-        base = [_mfma_issues(cfg, zero, xs[mi * 4 + G], const) for mi in range(m_rep)]
-        for wi in range(len(w_rows)):
-            w8 = _int4_decode8(words[wi][:, G])
-            s = _per_element(scales[wi][:, G])
-            if cfg.has_offsets:
-                c = _per_element(_fma(scales[wi][:, G], torch.tensor(-float(L.INT4_BIAS)), offsets[wi][:, G]))
-            for mi in range(m_rep):
+        w8s = [_int4_decode8(words[wi][:, G]) for wi in range(len(w_rows))]
+        ss = [_per_element(scales[wi][:, G]) for wi in range(len(w_rows))]
+        o8s = [_int4_offset8(offsets[wi], G) for wi in range(len(w_rows))] if cfg.has_offsets else None
+        for mi in range(m_rep):
+            x = load_x(mi, G)
+            base = _mfma_issues(cfg, zero, x, neg_bias)                 # -136 sum x
+            for wi in range(len(w_rows)):
                 a = wi * m_rep + mi
-                p = _mfma_issues(cfg, zero if cfg.has_offsets else base[mi], xs[mi * 4 + G], w8)
-                accs[a] = _fma(p, s, accs[a])
+                accs[a] = _fma(_mfma_issues(cfg, base, x, w8s[wi]), ss[wi], accs[a])
                 if cfg.has_offsets:
-                    accs[a] = _fma(base[mi], c, accs[a])
+                    accs[n + a] = _mfma_issues(cfg, accs[n + a], x, o8s[wi])
+
+
+def _int4_offset8(pairs: torch.Tensor, G: int) -> torch.Tensor:
+    """[64, 2] offset dwords -> [64, 8]: the bf16 offset of group G in every slot (layout.int4_offset_word)."""
+    w = L.int4_offset_word(pairs[:, G >> 1].long(), G) & 0xFFFFFFFF
+    w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)[:, None].expand(L.LANES, 4)
+    return w.contiguous().view(torch.bfloat16).float()
 
 
 class TorchOps:
@@ -381,7 +388,8 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
         for ni in range(n_rep):
             n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, BM, BN, n_rep)[1]
             w_rows += [L.gate_up_row(n0 + r, gu, N) for gu in range(2)] if stage1 else [n0 + r]
-        accs = [torch.zeros(16, 16) for _ in range(len(w_rows) * m_rep)]
+        n_carried = len(w_rows) * m_rep * (2 if cfg.weight_format == INT4 and cfg.has_offsets else 1)
+        accs = [torch.zeros(16, 16) for _ in range(n_carried)]
         waves.append((wave, p_rows, slots, a_rows, w_rows, accs))
 
     lds_plan = _lds_plan(cfg, bid_m, sid) if cfg.a_lds else None
@@ -418,6 +426,9 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                             accs[wi * m_rep + mi] = _mfma(accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
 
     for wave, p_rows, slots, a_rows, w_rows, accs in waves:
+        n_acc = len(w_rows) * m_rep
+        if len(accs) > n_acc:   # int4 offsets: their accumulators join once, in fp32
+            accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
         _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta, sid)
 
 

@@ -165,11 +165,12 @@ def router_weight_byte_offset(slot):
 #     0x4300 | u = 128 + u = q + 136: exact. (A nibble at bits 4-7 of a half word would
 #     reach the exponent's low bit, so every word takes its shift.)
 #   * gfx942 feeds the 8 values as two 16x16x16 MFMAs, gfx950 as one 16x16x32: either way one
-#     MFMA chain per (group, tile). Symmetric: the chain starts from -136 sum_k x_k (an MFMA
-#     of the activations with the constant INT4_NEG_BIAS_WORDS, once per row tile and group)
-#     and ends at P = sum_k q_k x_k; acc += scale * P. With offsets: the chain starts from 0
-#     and acc += scale * P + (offset - 136 scale) * X, X = sum_k x_k from an MFMA with
-#     INT4_ONES_WORDS. fp32 throughout (v_pk_fma_f32).
+#     MFMA chain per (group, tile), started from -136 sum_k x_k (an MFMA of the activations
+#     with the constant INT4_NEG_BIAS_WORDS, once per row tile and group), ends at
+#     P = sum_k q_k x_k in fp32; acc += scale * P (v_pk_fma_f32). With offsets, a second
+#     accumulator per tile takes offset * x_k through the MFMA too (the bf16 offset, exact,
+#     in every slot of the B operand: `int4_offset_word`), over all groups, and is added to
+#     acc once after the K loop.
 #   * activations are the MFMA's A operand and weights its B operand ("no swap"), so a lane
 #     holds one weight row (n0 + r, its own scale) and four activation rows m0 + 4g + e.
 INT4_XOR = 0x88                               # per byte: two's complement q -> u = q + 8
@@ -179,7 +180,6 @@ INT4_WORD_MASK = 0x000F000F
 INT4_WORD_HIGH = 0x43004300
 INT4_BIAS = 136                               # bf16 value of a decoded half = q + 136
 INT4_NEG_BIAS_WORDS = (0xC308C308,) * 4       # bf16 pairs -136
-INT4_ONES_WORDS = (0x3F803F80,) * 4           # bf16 pairs 1.0
 
 
 def int4_swizzle_plan():
@@ -216,6 +216,14 @@ def int4_bf16_words(w, high=INT4_WORD_HIGH):
     one SGPR or literal at most, and the mask already is one).
     """
     return [((w >> s) if s else w) & INT4_WORD_MASK | high for s in INT4_WORD_SHIFT]
+
+
+def int4_offset_word(pair, G):
+    """Offset of group G (0..3) of the row in both halves of a word; `pair` is the dword of the
+    row's 8-byte offset load that holds it (dword G >> 1, half G & 1)."""
+    if G & 1:
+        return (pair & -65536) | ((pair >> 16) & 0xFFFF)
+    return (pair & 0xFFFF) | (pair << 16)
 
 
 def int4_out_coords(g, r, e):

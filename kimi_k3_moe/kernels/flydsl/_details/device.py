@@ -102,22 +102,33 @@ def int4_decode8(word, high):
 
 
 def int4_constant8(words):
-    """A constant v8bf16 operand (layout.INT4_NEG_BIAS_WORDS or INT4_ONES_WORDS)."""
+    """A constant v8bf16 operand (layout.INT4_NEG_BIAS_WORDS)."""
     return fx.Vector.from_elements([fx.Int32(w) for w in words], fx.Int32).bitcast(fx.BFloat16)
 
 
-def load_bf16x4_f32(res, element):
-    """Four consecutive bf16 (8 bytes, one load) -> four f32 (a shift or a mask each)."""
+def load_bf16x4(res, element):
+    """Four consecutive bf16 (8 bytes, one load) as two i32 words."""
     v = fx.Vector(load(res, element * 2, T.vec(2, T.i32)))
+    return [fx.Int32(v[0]), fx.Int32(v[1])]
+
+
+def bf16x4_f32(pairs):
+    """The 4 bf16 of load_bf16x4 as f32 (a shift or a mask each)."""
     out = []
-    for i in range(2):
-        w = fx.Int32(v[i])
+    for w in pairs:
         out += [(w << 16).bitcast(fx.Float32), (w & -65536).bitcast(fx.Float32)]
     return out
 
 
+def int4_offset8(pairs, G):
+    """v8bf16 with the offset of group G in every slot (layout.int4_offset_word)."""
+    w = L.int4_offset_word(pairs[G >> 1], G)
+    return fx.Vector.from_elements([w] * 4, fx.Int32).bitcast(fx.BFloat16)
+
+
 def fma4(a, s, c):
-    """c + a * s on v4f32 with a scalar s: two v_pk_fma_f32 (one rounding per element)."""
+    """c + a * s on v4f32 with a scalar s: two v_pk_fma_f32 (one rounding per element). LLVM
+    unpacks some into v_fma_f32 pairs that it issues in an MFMA's shadow."""
     return fx.Vector(fx.math.fma(a, fx.Vector.filled(4, s, fx.Float32), c))
 
 

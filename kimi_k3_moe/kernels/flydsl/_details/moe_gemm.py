@@ -103,8 +103,8 @@ def _load_weights(cfg, rw, rs, ro, w_rows, kb, g):
         words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
         if cfg.weight_format == INT4:
             qi = L.int4_group_quad_index(row, kb, cfg.K)
-            scales.append(D.load_bf16x4_f32(rs, qi))
-            offsets.append(D.load_bf16x4_f32(ro, qi) if cfg.has_offsets else None)
+            scales.append(D.bf16x4_f32(D.load_bf16x4(rs, qi)))
+            offsets.append(D.load_bf16x4(ro, qi) if cfg.has_offsets else None)
             continue
         gi = L.group_index(row, kb, g, cfg.K)
         # quantized activations: the raw e8m0 byte goes to the scaled MFMA
@@ -160,41 +160,37 @@ def _mma_block(cfg, accs, words, scales, offsets, xs):
     return new
 
 
-def _load_int4_activations(cfg, ra, lds, a_rows, kb, u, g, r):
-    """v8bf16 [mi * 4 + G]: rows a_rows[mi], elements j = 0..7 paired with group dword G."""
-    xs = []
-    for mi in range(cfg.BM // L.MFMA_TILE):
-        for G in range(4):
-            if cfg.a_lds:
-                lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.kb_unroll)
-                xv = fx.Vector(fx.ptr_load(fx.add_offset(lds, lofs >> 2), T.vec(4, T.i32)))
-            else:
-                xv = D.load_v4i32(ra, L.int4_act_byte_offset(a_rows[mi], kb, G, g, cfg.K))
-            xs.append(xv.bitcast(fx.BFloat16))
-    return xs
+def _load_int4_activation(cfg, ra, lds, a_row, mi, kb, u, g, r, G):
+    """v8bf16: row sub-tile mi (activation row a_row), elements j = 0..7 paired with group dword G."""
+    if cfg.a_lds:
+        lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.kb_unroll)
+        xv = fx.Vector(fx.ptr_load(fx.add_offset(lds, lofs >> 2), T.vec(4, T.i32)))
+    else:
+        xv = D.load_v4i32(ra, L.int4_act_byte_offset(a_row, kb, G, g, cfg.K))
+    return xv.bitcast(fx.BFloat16)
 
 
-def _int4_block(cfg, accs, words, scales, offsets, xs, high):
+def _int4_block(cfg, accs, words, scales, offsets, load_x, high):
     """int4, one K128 block: per scale group G an MFMA chain per tile on the raw q + 136 values,
-    scaled in fp32 (layout.py's int4 notes). Activations are A, weights B."""
+    scaled in fp32 (layout.py's int4 notes). Activations are A, weights B. With offsets,
+    accs[n:] are the offset accumulators (one per tile, over all groups). Row sub-tiles
+    outermost inside a group: one activation fragment and one -136 sum(x) live at a time."""
     m_rep = cfg.BM // L.MFMA_TILE
+    n = len(words) * m_rep
     zero = fx.Vector.filled(4, 0.0, fx.Float32)
-    const = D.int4_constant8(L.INT4_ONES_WORDS if cfg.has_offsets else L.INT4_NEG_BIAS_WORDS)
+    neg_bias = D.int4_constant8(L.INT4_NEG_BIAS_WORDS)
     new = list(accs)
     for G in range(4):
-        # per row tile: -136 sum x (symmetric: the chains' start) or sum x (offsets)
-        base = [D.mma(cfg, zero, xs[mi * 4 + G], const) for mi in range(m_rep)]
-        for wi in range(len(words)):
-            w8 = D.int4_decode8(words[wi][G], high)
-            s = scales[wi][G]
-            if cfg.has_offsets:
-                c = fx.math.fma(s, fx.Float32(-float(L.INT4_BIAS)), offsets[wi][G])
-            for mi in range(m_rep):
+        w8s = [D.int4_decode8(words[wi][G], high) for wi in range(len(words))]
+        o8s = [D.int4_offset8(offsets[wi], G) for wi in range(len(words))] if cfg.has_offsets else None
+        for mi in range(m_rep):
+            x = load_x(mi, G)
+            base = D.mma(cfg, zero, x, neg_bias)                       # -136 sum x
+            for wi in range(len(words)):
                 a = wi * m_rep + mi
-                p = D.mma(cfg, zero if cfg.has_offsets else base[mi], xs[mi * 4 + G], w8)
-                new[a] = D.fma4(p, s, new[a])
+                new[a] = D.fma4(D.mma(cfg, base, x, w8s[wi]), scales[wi][G], new[a])
                 if cfg.has_offsets:
-                    new[a] = D.fma4(base[mi], c, new[a])
+                    new[n + a] = D.mma(cfg, new[n + a], x, o8s[wi])
     return new
 
 
@@ -205,8 +201,8 @@ def _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb, u, g, r, h
         xs, x_scales = _load_qactivations(cfg, ra, ras, a_rows, kb, g)
         return _mma_block_scaled(cfg, accs, words, scales, xs, x_scales)
     if cfg.weight_format == INT4:
-        xs = _load_int4_activations(cfg, ra, lds, a_rows, kb, u, g, r)
-        return _int4_block(cfg, accs, words, scales, offsets, xs, high)
+        return _int4_block(cfg, accs, words, scales, offsets,
+                           lambda mi, G: _load_int4_activation(cfg, ra, lds, a_rows[mi], mi, kb, u, g, r, G), high)
     xs = _load_activations(cfg, ra, lds, a_rows, kb, u, g, r)
     return _mma_block(cfg, accs, words, scales, offsets, xs)
 
@@ -342,6 +338,7 @@ def build(cfg: KernelConfig):
     BM, BN, R, K = cfg.BM, cfg.BN, cfg.weight_rows, cfg.K
     m_rep = BM // L.MFMA_TILE
     n_acc = (2 if cfg.stage == 1 else 1) * cfg.n_rep * m_rep
+    n_carried = n_acc * (2 if cfg.weight_format == INT4 and cfg.has_offsets else 1)   # + offset accumulators
     iters, U, threads = cfg.k_iters, cfg.kb_unroll, cfg.threads
     code_stride = L.expert_code_base(1, R, K)
     group_stride = L.expert_group_base(1, R, K)
@@ -371,7 +368,7 @@ def build(cfg: KernelConfig):
         a_rows = _activation_rows(cfg, slots, p_rows)
         w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
         lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid)
-        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_acc)]
+        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_carried)]
         high = D.int4_word_high() if cfg.weight_format == INT4 else None
         return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid), accs
 
@@ -386,6 +383,8 @@ def build(cfg: KernelConfig):
 
     def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
         slots, p_rows, rsid = ops[10:]
+        if n_carried > n_acc:   # int4 offsets: their accumulators join once
+            accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
         _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
                 fx.block_idx.x, fx.block_idx.y, wave, g, lane, rsid, L.lane_split(lane)[1])
 
