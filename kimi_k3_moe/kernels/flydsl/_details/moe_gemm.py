@@ -100,13 +100,14 @@ def _load_weights(cfg, rw, rs, ro, w_rows, kb, g):
     int4: the row's 4 scales (and offsets) of the block as f32, one 8-byte load each."""
     words, scales, offsets = [], [], []
     for row in w_rows:
-        words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
         if cfg.weight_format == INT4:
+            words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
             qi = L.int4_group_quad_index(row, kb, cfg.K)
             scales.append(D.bf16x4_f32(D.load_bf16x4(rs, qi)))
             offsets.append(D.load_bf16x4(ro, qi) if cfg.has_offsets else None)
             continue
         gi = L.group_index(row, kb, g, cfg.K)
+        words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
         # quantized activations: the raw e8m0 byte goes to the scaled MFMA
         scales.append(D.load_u8(rs, gi) if cfg.quantized else D.load_scale(rs, gi))
         offsets.append(None)
@@ -208,9 +209,10 @@ def _k_block(cfg, accs, rw, rs, ro, ra, ras, lds, w_rows, a_rows, kb, u, g, r, h
 
 
 def _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g,
-            lane, rsid=None, r=None):
+            lane, rsid=None):
     if cfg.weight_format == INT4:
-        _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, r)
+        _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g,
+                       L.lane_split(lane)[1])
     elif cfg.quantized and cfg.stage == 1:
         _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, lane)
     else:
@@ -386,7 +388,7 @@ def build(cfg: KernelConfig):
         if n_carried > n_acc:   # int4 offsets: their accumulators join once
             accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
         _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
-                fx.block_idx.x, fx.block_idx.y, wave, g, lane, rsid, L.lane_split(lane)[1])
+                fx.block_idx.x, fx.block_idx.y, wave, g, lane, rsid)
 
     # Two signatures: quantized kernels take the activation scales AS and stage 1's output
     # scales YS. The bf16 kernels keep the shorter one: two more (unused) kernel arguments
