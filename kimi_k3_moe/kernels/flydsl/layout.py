@@ -15,8 +15,9 @@ No flydsl or torch import here on purpose. Operands stay non-negative wherever
 Buffers (all flat, little-endian, row-major):
   X     [T, K]        bf16 activations (stage 1: hidden, K = H)
   INTER [P, N1]       bf16 stage-1 output in sorted order (stage 2 reads it, K = I)
-  W     [E, R, K/2]   uint8 4-bit codes; R = 2I (gate rows, then up) or H; element k
-                      of a row sits in byte k>>1, low nibble for even k
+  W     [E, R, K/2]   uint8 4-bit codes; R = 2I (gate rows, then up) or H; MXFP4: element
+                      k of a row sits in byte k>>1, low nibble for even k; int4: the kernels'
+                      order within each 64-byte K128 block (int4_swizzle_plan)
   S     [E, R, K/32]  int4: bf16 scale; MXFP4: uint8 e8m0 byte (2^(b-127))
   OFS   [E, R, K/32]  bf16 offsets (asymmetric int4 only): value = q*scale + offset
   SLOTS [T*k, H]      bf16 stage-2 output per (token, slot); summed over the slots after
@@ -25,8 +26,9 @@ Routing: the flat slot s = t*k + j (token t, top-k slot j); SID[p] holds the slo
 of sorted row p, or the sentinel T*k on padding rows; BE[b] the local expert of
 the BM-row block b, or -1 for an unused block.
 
-Lane mapping of one 16x16 MFMA tile ("swap AB": the MFMA A operand is 16 weight
-rows, B is 16 activation rows transposed; wave64, lane l = 16*g + r):
+Lane mapping of one 16x16 MFMA tile of the MXFP4 kernels ("swap AB": the MFMA A
+operand is 16 weight rows, B is 16 activation rows transposed; wave64, lane l = 16*g + r;
+the int4 kernels differ, see "weight decode" below):
   * in K128 block kb, lane group g owns k in [128*kb + 32*g, +32): exactly one
     scale group, one 16-byte weight load, 64 contiguous activation bytes;
   * MFMA step j (0..3) consumes k = 128*kb + 32*g + 8*j + t, t < 8 (gfx942 splits
