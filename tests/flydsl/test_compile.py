@@ -67,7 +67,8 @@ def test_compiles_with_expected_mfma_and_no_scratch(compiled, cfg):
 
 
 INT4_VALU_PER_1K_MAX = 40
-GFX942_INT4 = [c for c in CONFIGS if c.arch == "gfx942" and c.stage and c.weight_format == "int4"]
+# a kernel whose workgroups run one K iteration (split-K 3 over K = 384) has no loop to count
+GFX942_INT4 = [c for c in CONFIGS if c.arch == "gfx942" and c.stage and c.weight_format == "int4" and c.k_iters > 1]
 
 
 @pytest.mark.parametrize("cfg", GFX942_INT4, ids=[c.name for c in GFX942_INT4])
