@@ -118,8 +118,9 @@ def peer_specs(arch: str, tokens: int) -> tuple[PeerSpec, PeerSpec]:
 def our_configs(arch: str, tokens: int):
     from kimi_k3_moe.kernels.flydsl import tiles
     from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU
+    # as the forward picks them for the engines' routing: int32 ids, no expert map (direct tiers apply)
     return tiles.stage_configs(arch, FORMAT[arch], hidden=H, inter=I, top_k=TOP_K, num_tokens=tokens,
-                               activation=K3_SITU, table=tiles.default_table())
+                               activation=K3_SITU, direct_experts=E, table=tiles.default_table())
 
 
 def mfma_per_wave(arch: str, bm: int, cols: int, k: int, waves: int) -> int:
@@ -130,9 +131,11 @@ def mfma_per_wave(arch: str, bm: int, cols: int, k: int, waves: int) -> int:
 def our_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
     s1, s2 = our_configs(arch, tokens)
     fmt = FORMAT[arch]
-    blocks = expected_blocks(tokens, s1.BM)
+    if s1.direct:   # one block per (token, slot) pair, each reading its expert's weights
+        blocks = d = tokens * TOP_K
+    else:
+        blocks, d = expected_blocks(tokens, s1.BM), distinct_experts(tokens)
     rows = blocks * s1.BM
-    d = distinct_experts(tokens)
     k1, k2 = kernels[s1.name], kernels[s2.name]
     return [
         Launch("stage 1", k1, math.ceil(blocks * (I // s1.BN)),
@@ -161,19 +164,16 @@ def peer_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
 
 
 # ------------------------------------------------------------------ our forward's other launches
-_NOT_A_LAUNCH = ("aten.empty", "aten.view", "aten._unsafe_view", "aten.reshape", "aten.slice", "aten.select",
-                 "aten.t.", "aten.expand", "aten.alias", "aten.detach", "aten.unsqueeze", "aten.squeeze",
-                 "aten.as_strided", "aten.lift_fresh")
-
-
 def glue_ops(arch: str, tokens: int) -> list[tuple[str, int]]:
-    """(aten op, bytes read + written) of every launch pipeline.moe_forward makes besides the two
-    kernels, traced on the meta device (shapes only, no memory). The host-side id check is left out:
-    it is skipped under graph capture, which is how a deployment replays the layer."""
+    """(label, bytes of its tensor arguments) of every launch pipeline.moe_forward makes besides the
+    two FlyDSL stages (the Triton alignment and top-k sum), recorded on the meta device (shapes only,
+    no memory, nothing run); a PyTorch op that computes would show up too, under its aten name. The
+    routing is the engines': int32 ids, no expert map."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from kimi_k3_moe.kernels.flydsl import pipeline
     from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU
+    from kimi_k3_moe.kernels.triton import launch as triton_launch
 
     class Experts:   # what moe_forward reads of a prepared layer
         weight_format, has_offsets, num_experts, intermediate_size, hidden_size = FORMAT[arch], False, E, I, H
@@ -187,29 +187,30 @@ def glue_ops(arch: str, tokens: int) -> list[tuple[str, int]]:
             return x.numel() * x.element_size()
         return sum(size(y) for y in x) if isinstance(x, (list, tuple)) else 0
 
-    class Record(TorchDispatchMode):
-        ops: list = []
+    ops: list = []
+    allocate_or_view = ("aten.empty", "aten.view", "aten._unsafe_view", "aten.reshape", "aten.slice",
+                        "aten.select", "aten.t.", "aten.expand", "aten.alias", "aten.detach", "aten.unsqueeze",
+                        "aten.squeeze", "aten.as_strided", "aten.lift_fresh")
 
+    class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            name = str(func)
-            if not name.startswith(_NOT_A_LAUNCH):
-                self.ops.append((name, size(list(args)) + size(list((kwargs or {}).values())) + size(out)))
+            if not str(func).startswith(allocate_or_view):
+                ops.append((str(func), size(list(args)) + size(list((kwargs or {}).values())) + size(out)))
             return out
 
     hidden = torch.empty(tokens, H, dtype=torch.bfloat16, device="meta")
     weights = torch.empty(tokens, TOP_K, device="meta")
-    ids = torch.empty(tokens, TOP_K, dtype=torch.int64, device="meta")
-    check, pipeline._check_ids = pipeline._check_ids, lambda *a: None
-    rec = Record()
-    rec.ops = []
+    ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="meta")
+    run = triton_launch.Launch.__call__
+    triton_launch.Launch.__call__ = lambda launch: ops.append((launch.label, size(list(launch.args.values()))))
     try:
-        with rec:
+        with Record():
             pipeline.moe_forward(Experts(), hidden, weights, ids, K3_SITU, None, arch=arch,
                                  launch=lambda cfg, args: None)
     finally:
-        pipeline._check_ids = check
-    return rec.ops
+        triton_launch.Launch.__call__ = run
+    return ops
 
 
 def glue_us(ops, device, params: Params) -> float:

@@ -150,7 +150,7 @@ def test_names_are_pinned_for_every_field_that_enters_them():
     down = dict(stage=2, N=3584, K=384, top_k=16)
     got = [
         KernelConfig("gfx942", 1, "int4", activation="silu", **tile).with_activation(SITU).name,
-        KernelConfig("gfx942", 1, "int4", activation="silu", has_offsets=True, int4_decode="cvt_off", **tile).name,
+        KernelConfig("gfx942", 1, "int4", activation="silu", has_offsets=True, **tile).name,
         KernelConfig("gfx950", 1, "mxfp4", activation="silu", act_dtype="fp8", **tile).with_activation(
             SITU, betas="runtime").name,
         KernelConfig("gfx950", weight_format="mxfp4", act_dtype="fp4", reduce="atomic", split_k=3, **down).name,
@@ -160,7 +160,7 @@ def test_names_are_pinned_for_every_field_that_enters_them():
     ]
     assert got == [
         "k3moe_s1_gfx942_int4_n384_k3584_top16_bm32_w4x2_u1_situv2_b4010000000000000_lb4039000000000000",
-        "k3moe_s1_gfx942_int4ofs_cvt_off_n384_k3584_top16_bm32_w4x2_u1_silu",
+        "k3moe_s1_gfx942_int4ofs_n384_k3584_top16_bm32_w4x2_u1_silu",
         "k3moe_s1_gfx950_mxfp4_a8_n384_k3584_top16_bm32_w4x2_u1_situv2_rtbeta",
         "k3moe_s2_gfx950_mxfp4_a4_n3584_k384_top16_bm16_w4x2_u1_red_atomic_sk3",
         "k3moe_s2_gfx950_int4_n3584_k384_top16_bm16_w4x2_u1_lds_wpe2_red_slots",

@@ -8,18 +8,72 @@ from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels.flydsl import layout as L
 
 
-def test_int4_shift_decode_is_twos_complement_for_every_nibble_and_position(gen):
-    words = torch.randint(-2**31, 2**31, (4096,), dtype=torch.int64, generator=gen).to(torch.int32)
-    words[:2] = torch.tensor([0x76543210, 0xFEDCBA98 - 2**32], dtype=torch.int32)   # all 16 nibble values
-    packed = words.view(torch.uint8).reshape(-1, 4)
-    expected = int4.unpack_signed(packed)                                    # [N, 8]: element t = nibble t
-    got = torch.stack([L.int4_code_shift(words, t) for t in range(8)], dim=1)
-    assert torch.equal(got.to(torch.int8), expected)
+def _bf16_halves(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., 4] -> their bf16 halves as float64 [..., 8], low half first."""
+    return words.to(torch.int32).contiguous().view(torch.bfloat16).double()
 
 
-def test_cvt_off_plan_reads_every_nibble_once_in_element_order():
-    # element t comes from (word >> INT4_CVT_SHIFT[t]), byte INT4_CVT_BYTE[t]: bit position 4t
-    assert [s + 8 * b for s, b in zip(L.INT4_CVT_SHIFT, L.INT4_CVT_BYTE)] == [4 * t for t in range(8)]
+@pytest.mark.parametrize("offsets", [False, True])
+def test_int4_kernel_decode_is_bit_exact_for_every_code_position_and_group(gen, offsets):
+    """formats/int4 packing -> the kernels' byte order -> layout.int4_bf16_words -> bf16 q + 136,
+    then the fp32 group scaling the kernels do, against formats/int4's own decoder."""
+    from kimi_k3_moe.kernels.flydsl.experts import Int4KernelLayout
+
+    rows, K = 48, 512
+    codes = torch.randint(-8, 8, (rows, K), generator=gen, dtype=torch.int8)
+    codes[:16] = (torch.arange(16 * K).reshape(16, K) % 16 - 8 + torch.arange(16)[:, None]) % 16 - 8
+    scales = (torch.randn(rows, K // 32, generator=gen) * 0.01).to(torch.bfloat16)
+    offs = (torch.randn(rows, K // 32, generator=gen) * 0.01).to(torch.bfloat16) if offsets else None
+    fmt = int4.Int4Weights(int4.pack_signed(codes), scales, offsets=offs)
+    kernel = Int4KernelLayout().swizzle(fmt.packed, "int4")
+    assert not torch.equal(kernel, fmt.packed)
+    assert torch.equal(Int4KernelLayout().unswizzle(kernel, "int4"), fmt.packed)
+    # every code at every element position of every lane's dword (the first 16 rows cycle all 16)
+    assert all(set(codes[:16, k].tolist()) == set(range(-8, 8)) for k in range(K))
+    words = kernel.view(torch.int32).reshape(rows, K // 128, 4, 4)     # [row, kb, lane group g, dword G]
+    want = fmt.dequantize(torch.float64)
+    for kb in range(K // 128):
+        for g in range(4):
+            for G in range(4):
+                vals = _bf16_halves(torch.stack(L.int4_bf16_words(words[:, kb, g, G]), dim=-1))
+                ks = [L.int4_k_of(kb, G, g, j) for j in range(8)]
+                assert torch.equal(vals - L.INT4_BIAS, codes[:, ks].double())          # the codes, exactly
+                gi = kb * 4 + G
+                s = scales[:, gi].double()[:, None]
+                o = offs[:, gi].double()[:, None] if offsets else 0.0
+                assert torch.equal((vals - L.INT4_BIAS) * s + o, want[:, ks])       # q * s (+ o), exactly
+    assert [L.int4_k_of(1, G, g, j) for G in range(4) for g in range(4) for j in range(8)] == list(range(128, 256))
+
+
+def test_int4_kernel_constants_are_the_bf16_values_they_stand_for():
+    w = torch.tensor([x - (1 << 32) if x >= 1 << 31 else x for x in
+                      (L.INT4_WORD_HIGH, *L.INT4_NEG_BIAS_WORDS)], dtype=torch.int64)
+    vals = _bf16_halves(w)
+    assert vals[:2].tolist() == [128.0, 128.0]                    # 0x4300 | u = 128 + u, u = q + 8
+    assert set(vals[2:].tolist()) == {-float(L.INT4_BIAS)}
+    assert L.INT4_WORD_MASK == 0x000F000F and L.INT4_XOR == 0x88
+
+
+def test_int4_offset_word_puts_group_gs_offset_in_both_halves(gen):
+    offs = torch.randn(1000, 4, generator=gen).to(torch.bfloat16)
+    pairs = offs.view(torch.int32).long()                          # the 8-byte load: 2 dwords per row
+    for G in range(4):
+        w = L.int4_offset_word(pairs[:, G >> 1], G) & 0xFFFFFFFF
+        halves = _bf16_halves(torch.where(w >= 2**31, w - 2**32, w)[:, None])
+        assert torch.equal(halves, offs[:, G:G + 1].double().expand(-1, 2))
+
+
+def test_int4_kernel_loads_cover_a_block_once():
+    """Lane group g's 16 bytes at w_byte_offset hold dword g of each of the block's 4 groups;
+    the activations it pairs with are 16 contiguous bytes per group, covering the block once."""
+    K = 3584
+    ks = sorted(L.int4_k_of(3, G, g, j) for G in range(4) for g in range(4) for j in range(8))
+    assert ks == list(range(3 * 128, 4 * 128))
+    offs = sorted(L.int4_act_byte_offset(5, 3, G, g, K) for G in range(4) for g in range(4))
+    assert offs == [(5 * K + 3 * 128) * 2 + 16 * i for i in range(16)]
+    assert all(L.int4_act_byte_offset(5, 3, G, g, K) == (5 * K + L.int4_k_of(3, G, g, 0)) * 2
+               for G in range(4) for g in range(4))
+    assert L.int4_group_quad_index(7, 3, K) == 7 * (K // 32) + 12
 
 
 def test_e2m1_bit_trick_matches_the_mxfp4_table_for_all_16_codes():
@@ -31,16 +85,6 @@ def test_e2m1_bit_trick_matches_the_mxfp4_table_for_all_16_codes():
 def test_e8m0_bits_are_the_scale_for_normal_bytes():
     b = torch.arange(1, 255, dtype=torch.int32)
     assert torch.equal(L.e8m0_f32_bits(b).view(torch.float32), mxfp4.e8m0_to_float(b.to(torch.uint8)))
-
-
-def test_bf16_rne_bits_equal_torchs_rounding_on_finite_floats(gen):
-    x = torch.randn(1 << 16, generator=gen) * torch.exp2(torch.randint(-60, 60, (1 << 16,), generator=gen).float())
-    ties = torch.tensor([1.00390625, 1.01171875, -1.00390625, 3.0e38, -3.0e38, 0.0, -0.0, 1e-40])   # exact ties, huge, denormal
-    x = torch.cat([x, ties])
-    bits = x.view(torch.int32).long() & 0xFFFFFFFF
-    got = (L.bf16_rne_bits(bits) & 0xFFFF).to(torch.int32)
-    want = x.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("beta, lin_beta", [(4.0, 25.0), (2.0, 1.5), (1.0, None)])
@@ -146,3 +190,16 @@ def test_quantized_operand_loads_follow_the_scaled_mfma_abi():
     # lane group g supplies the scales of group 4 kb + g for activations and weights alike
     assert [L.act_scale_index(7, 2, g, K) for g in range(4)] == [L.group_index(7, 2, g, K) for g in range(4)]
     assert L.amax_partner_lanes(torch.arange(64))[0].tolist() == [(l + 16) % 32 + 32 * (l // 32) for l in range(64)]
+
+
+def test_valu_per_1k_weights_counts_the_k_loop_body_only():
+    from kimi_k3_moe.kernels.flydsl.artifacts import valu_per_1k_weights, weights_per_iteration
+    from kimi_k3_moe.kernels.flydsl.config import KernelConfig
+
+    isa = "\n".join(["\tv_mov_b32 v0, 0", ".LBB0_1:", "\tbuffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen",
+                     "\tv_and_or_b32 v5, v0, s2, v9", "\tv_pk_fma_f32 v[6:7], v[6:7], v[8:9], v[6:7]",
+                     "\tv_mfma_f32_16x16x16_bf16 v[10:13], v[0:1], v[2:3], 0", "\ts_cbranch_scc1 .LBB0_1",
+                     "\tv_add_f32 v1, v1, v1", "\ts_endpgm"])
+    cfg = KernelConfig("gfx942", 2, "int4", N=3584, K=384, top_k=16, n_rep=2)
+    assert weights_per_iteration(cfg) == 2 * 16 * 128
+    assert valu_per_1k_weights(isa, cfg) == 2 * 1024 / 4096      # and-or + pk_fma; not the MFMA, not outside

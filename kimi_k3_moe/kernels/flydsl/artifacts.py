@@ -187,3 +187,43 @@ def occupancy(arch: str, *, vgpr: int, agpr: int, accum_offset: int | None, lds_
         by_lds = MAX_WAVES_PER_SIMD
     return {"registers": regs, "waves_by_regs": by_regs, "waves_by_lds": by_lds,
             "waves_per_simd": min(by_regs, by_lds)}
+
+
+# --------------------------------------------------------------------- K-loop VALU per 1K weights
+_LABEL_RE = re.compile(r"^(\.LBB\w+):", re.M)
+_BRANCH_RE = re.compile(r"^\s*s_cbranch_\w+\s+(\.LBB\w+)", re.M)
+_VALU_RE = re.compile(r"^\s*(v_\w+)", re.M)
+
+
+def k_loop_body(isa: str) -> str:
+    """The ISA text of the K loop: from a label to the backward branch that closes it.
+
+    The kernels have one runtime loop (the K loop); a backward branch is one whose target
+    label comes before it. With several, the one holding MFMAs (there is just one today).
+    """
+    labels = {m.group(1): m.end() for m in _LABEL_RE.finditer(isa)}
+    loops = [isa[labels[m.group(1)]:m.start()] for m in _BRANCH_RE.finditer(isa)
+             if m.group(1) in labels and labels[m.group(1)] < m.start()]
+    loops = [body for body in loops if _MFMA_RE.search(body)]
+    if len(loops) != 1:
+        raise ValueError(f"expected one K loop with MFMAs in the ISA, found {len(loops)}")
+    return loops[0]
+
+
+def weights_per_iteration(cfg) -> int:
+    """Weights one wave streams per K-loop iteration: its weight rows x 128 x kb_unroll."""
+    tiles = cfg.n_rep * (2 if cfg.stage == 1 else 1)          # stage 1: gate and up rows
+    return tiles * 16 * 128 * cfg.kb_unroll
+
+
+def valu_per_1k_weights(isa: str, cfg) -> float:
+    """VALU instructions per 1024 weights a wave streams through the K loop.
+
+    Counted in the dumped ISA: every `v_` instruction in the K-loop body (`k_loop_body`)
+    except the matrix ones (v_mfma*, v_smfmac*: the MFMA pipe), i.e. decode, scaling,
+    address arithmetic and moves alike, one per instruction (a packed v_pk_* op counts
+    once), divided by `weights_per_iteration(cfg)` / 1024. Issue-slot cost, not cycles.
+    """
+    body = k_loop_body(isa)
+    valu = [m for m in _VALU_RE.findall(body) if not m.startswith(("v_mfma", "v_smfmac"))]
+    return len(valu) * 1024 / weights_per_iteration(cfg)

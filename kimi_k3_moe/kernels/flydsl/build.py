@@ -112,6 +112,11 @@ def compile_here(cfg: KernelConfig | QuantConfig, out_dir: str | os.PathLike) ->
     isa = isa_files[-1].read_text()
     (out_dir / f"{cfg.name}.s").write_text(isa)
     stats = artifacts.isa_stats(isa)
+    if cfg.stage:
+        try:
+            stats["valu_per_1k_weights"] = round(artifacts.valu_per_1k_weights(isa, cfg), 1)
+        except ValueError:   # no single K loop (LLVM unrolled it): nothing to count per iteration
+            stats["valu_per_1k_weights"] = None
     report = {
         "name": cfg.name, "config": dataclasses.asdict(cfg), "compile_s": round(seconds, 2),
         "artifact_key": artifact_key, "disk_cache_key": _disk_cache_key(artifact_key),

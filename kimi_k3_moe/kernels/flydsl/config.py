@@ -26,10 +26,6 @@ MFMA = {"gfx942": "16x16x16", "gfx950": "16x16x32"}
 ACTIVATIONS = (SILU, SITUV2)
 BETA_MODES = ("const", "runtime")
 REDUCTIONS = ("slots", "atomic")
-# "shift": sign-extending bit-field extract + int->float convert, instructions with plain
-# semantics (the default); "cvt_off": v_cvt_off_f32_i4, one instruction fewer per value,
-# read as sext4(n)/16 from AMD's ISA table and LLVM's constant folding, not checked on hardware.
-INT4_DECODES = ("shift", "cvt_off")
 
 
 class UnsupportedArchError(ValueError):
@@ -61,7 +57,6 @@ class KernelConfig:
     prefetch: bool = False        # software-pipelined K loop: the next iteration's loads before this one's MFMAs
     waves_per_eu: int = 0         # occupancy target handed to LLVM (caps registers); 0 = LLVM's choice
     has_offsets: bool = False     # asymmetric int4: value = q*scale + offset
-    int4_decode: str = "shift"    # int4 only: "shift" (v_bfe_i32) | "cvt_off" (v_cvt_off_f32_i4)
     activation: str | None = None       # stage 1: "silu" | "situv2"; stage 2: None
     betas: str = "const"                # situv2: "const" (baked in) | "runtime" (kernel args)
     beta: float | None = None           # const situv2 only
@@ -86,8 +81,6 @@ class KernelConfig:
         for flag in ("a_lds", "prefetch", "has_offsets", "direct"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"KernelConfig.{flag} must be true or false, got {getattr(self, flag)!r}")
-        if self.int4_decode not in INT4_DECODES:
-            raise ValueError(f"int4_decode {self.int4_decode!r} not in {INT4_DECODES}")
         if isinstance(self.waves_per_eu, bool) or not isinstance(self.waves_per_eu, int) \
                 or not 0 <= self.waves_per_eu <= 8:
             raise ValueError(f"waves_per_eu must be an int in [0, 8], got {self.waves_per_eu!r}")
@@ -229,8 +222,6 @@ class KernelConfig:
         fmt = self.weight_format + ("ofs" if self.has_offsets else "")
         if self.quantized:
             fmt += "_a8" if self.act_dtype == FP8 else "_a4"
-        if self.weight_format == INT4 and self.int4_decode != "shift":
-            fmt += f"_{self.int4_decode}"
         tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
                 + ("_pf" if self.prefetch else "")
                 + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else "")

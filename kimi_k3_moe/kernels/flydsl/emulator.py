@@ -16,7 +16,7 @@ What this stands on: the layout functions are shared with the kernels, so a
 wrong index in them shows up here. What it cannot show: that FlyDSL/LLVM lower
 the kernels as written, that the MFMA lane layout and the conversion
 instructions behave as modelled on a real gfx942/gfx950 (`_mfma`,
-`_cvt_off_f32_i4`, `_cvt_scalef32_pk_bf16_fp4`, `_mfma_scale` below are models
+`_cvt_scalef32_pk_bf16_fp4`, `_mfma_scale` below are models
 from AMD's documentation, not measurements), or anything about timing. The
 load-time self-check on the user's GPU covers those.
 
@@ -113,12 +113,6 @@ def _bf16(b16: torch.Tensor) -> torch.Tensor:
     return b16.contiguous().view(torch.bfloat16).float()
 
 
-def _cvt_off_f32_i4(src: torch.Tensor, byte_sel: int) -> torch.Tensor:
-    """v_cvt_off_f32_i4 with an SDWA byte selector: sext4(low nibble of the byte) / 16 (AMD ISA table)."""
-    nib = (src.long() & 0xFFFFFFFF) >> (8 * byte_sel) & 15
-    return ((nib ^ 8) - 8).float() / 16.0
-
-
 def _e2m1(code: torch.Tensor) -> torch.Tensor:
     return L.e2m1_f32_bits(code.int()).view(torch.float32) * L.E2M1_BIAS_FIX
 
@@ -130,37 +124,104 @@ def _cvt_scalef32_pk_bf16_fp4(word: torch.Tensor, scale: torch.Tensor, sel: int)
     return pair.to(torch.bfloat16).float()
 
 
-def _dequant8(cfg: KernelConfig, word: torch.Tensor, scale: torch.Tensor, offset) -> torch.Tensor:
-    """[64] dwords + [64] scales (+ offsets) -> [64, 8] bf16 weights as fp32 (element t = bits 4t..)."""
-    if cfg.weight_format == MXFP4:
-        return torch.cat([_cvt_scalef32_pk_bf16_fp4(word, scale, sel) for sel in range(4)], dim=1)
-    if cfg.int4_decode == "cvt_off":
-        s = scale * L.INT4_CVT_SCALE
-        odd = (word.long() & 0xFFFFFFFF) >> 4                       # shrui
-        vals = [_cvt_off_f32_i4(word if L.INT4_CVT_SHIFT[t] == 0 else odd, L.INT4_CVT_BYTE[t]) * s
-                for t in range(8)]
-    else:
-        vals = [L.int4_code_shift(word.int(), t).float() * scale for t in range(8)]
-    vals = torch.stack(vals, dim=1)
-    if offset is not None:
-        vals = vals + offset[:, None]
-    return _to_bf16(cfg, vals)
+def _dequant8(word: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4: [64] dwords + [64] e8m0 scales (as f32) -> [64, 8] bf16 weights as fp32 (element t = bits 4t..)."""
+    return torch.cat([_cvt_scalef32_pk_bf16_fp4(word, scale, sel) for sel in range(4)], dim=1)
 
 
-def _to_bf16(cfg: KernelConfig, vals: torch.Tensor) -> torch.Tensor:
-    """f32 -> bf16 (as f32) the way the kernel converts: hardware RNE on gfx950, layout.bf16_rne_bits on gfx942."""
-    if cfg.arch == "gfx950":
-        return vals.to(torch.bfloat16).float()
-    bits = vals.contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    high = (L.bf16_rne_bits(bits) & 0xFFFF) << 16
-    return torch.where(high >= 2**31, high - 2**32, high).to(torch.int32).view(torch.float32)
+def _int4_decode8(word: torch.Tensor) -> torch.Tensor:
+    """int4: [64] kernel-order dwords -> [64, 8] bf16 values q + 136 (as fp32), layout.int4_bf16_words."""
+    words = torch.stack(L.int4_bf16_words(word.int()), dim=1).to(torch.int32).contiguous()
+    return words.view(torch.bfloat16).float()           # little-endian: the low half is element 2i
 
 
-def _mfma(acc: torch.Tensor, w8: torch.Tensor, x8: torch.Tensor) -> torch.Tensor:
-    """16x16 tile: lane 16g+i gives A[i][8g+t] = w8[lane, t] and B[8g+t][i] = x8[lane, t]."""
-    a = w8.view(4, 16, 8).permute(1, 0, 2).reshape(16, 32)
-    b = x8.view(4, 16, 8).permute(0, 2, 1).reshape(32, 16)
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once, as v_fma_f32 / v_pk_fma_f32 (the fp32 product is exact in
+    fp64; the fp64 sum then rounds to fp32: a double rounding that can differ from the fused
+    result in the last bit on rare ties)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _mfma(acc: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor) -> torch.Tensor:
+    """16x16 tile: lane 16g+i gives A[i][8g+t] = a8[lane, t] and B[8g+t][i] = b8[lane, t]."""
+    a = a8.view(4, 16, 8).permute(1, 0, 2).reshape(16, 32)
+    b = b8.view(4, 16, 8).permute(0, 2, 1).reshape(32, 16)
     return acc + a @ b
+
+
+def _mfma_issues(cfg: KernelConfig, acc: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor) -> torch.Tensor:
+    """The kernels' D.mma: one 16x16x32 on gfx950; on gfx942 two chained 16x16x16 issues
+    (values t < 4, then t >= 4 of each lane), each adding its fp32 sum to the accumulator."""
+    if cfg.mfma == "16x16x32":
+        return _mfma(acc, a8, b8)
+    for h in range(2):
+        a = a8[:, 4 * h:4 * h + 4].reshape(4, 16, 4).permute(1, 0, 2).reshape(16, 16)
+        b = b8[:, 4 * h:4 * h + 4].reshape(4, 16, 4).permute(0, 2, 1).reshape(16, 16)
+        acc = acc + a @ b
+    return acc
+
+
+def _per_element(lane_values: torch.Tensor) -> torch.Tensor:
+    """[64] per-lane scalars -> [16, 16]: at each D element the value of the lane holding it."""
+    out = torch.empty(16, 16, dtype=lane_values.dtype)
+    lane = torch.arange(L.LANES)
+    g, r = L.lane_split(lane)
+    for e in range(4):
+        i, c = L.d_row_col(g, r, e)
+        out[i, c] = lane_values
+    return out
+
+
+def _bf16_words(b8: torch.Tensor) -> torch.Tensor:
+    """[64, 8] bytes holding 4 bf16 -> [64, 4] fp32."""
+    return b8.contiguous().view(torch.bfloat16).float()
+
+
+def _constant8(words) -> torch.Tensor:
+    """A constant v8bf16 operand (the same in every lane) as [64, 8] fp32."""
+    w = torch.tensor([x - (1 << 32) if x >= 1 << 31 else x for x in words], dtype=torch.int32)
+    return w.view(torch.bfloat16).float().expand(L.LANES, 8)
+
+
+def _int4_block(cfg, accs, rw, rs, ro, act, lds, w_rows, a_rows, kb, u, g, r, m_rep):
+    """One K128 block of an int4 kernel, in the kernels' order (moe_gemm._int4_block); with
+    offsets, accs[n:] are the offset accumulators."""
+    K = cfg.K
+    words, scales, offsets = [], [], []
+    for row in w_rows:
+        words.append(_words(rw.load(L.w_byte_offset(row, kb, g, K), 16)))
+        qi = L.int4_group_quad_index(row, kb, K)
+        scales.append(_bf16_words(rs.load(qi * 2, 8)))
+        offsets.append(_words(ro.load(qi * 2, 8)) if cfg.has_offsets else None)
+
+    def load_x(mi, G):
+        if cfg.a_lds:
+            lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.kb_unroll)
+            return _bf16(_lds_read(lds, lofs))
+        return _bf16(act.load(L.int4_act_byte_offset(a_rows[mi], kb, G, g, K), 16))
+
+    n = len(w_rows) * m_rep
+    zero = torch.zeros(16, 16)
+    neg_bias = _constant8(L.INT4_NEG_BIAS_WORDS)
+    for G in range(4):
+        w8s = [_int4_decode8(words[wi][:, G]) for wi in range(len(w_rows))]
+        ss = [_per_element(scales[wi][:, G]) for wi in range(len(w_rows))]
+        o8s = [_int4_offset8(offsets[wi], G) for wi in range(len(w_rows))] if cfg.has_offsets else None
+        for mi in range(m_rep):
+            x = load_x(mi, G)
+            base = _mfma_issues(cfg, zero, x, neg_bias)                 # -136 sum x
+            for wi in range(len(w_rows)):
+                a = wi * m_rep + mi
+                accs[a] = _fma(_mfma_issues(cfg, base, x, w8s[wi]), ss[wi], accs[a])
+                if cfg.has_offsets:
+                    accs[n + a] = _mfma_issues(cfg, accs[n + a], x, o8s[wi])
+
+
+def _int4_offset8(pairs: torch.Tensor, G: int) -> torch.Tensor:
+    """[64, 2] offset dwords -> [64, 8]: the bf16 offset of group G in every slot (layout.int4_offset_word)."""
+    w = L.int4_offset_word(pairs[:, G >> 1].long(), G) & 0xFFFFFFFF
+    w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)[:, None].expand(L.LANES, 4)
+    return w.contiguous().view(torch.bfloat16).float()
 
 
 class TorchOps:
@@ -329,14 +390,18 @@ def _zero_slot_row(cfg: KernelConfig, bid_m: int, out: "_Buffer", sentinel: int)
     """A skipped direct stage-2 block stores zeros into its pair's output row (every lane as the
     kernel's, padding rows dropped by the range check)."""
     g, r = L.lane_split(torch.arange(L.LANES))
-    zeros = torch.zeros(L.LANES, 8, dtype=torch.uint8)
     for bid_n in range(cfg.N // cfg.BN):
         for wave in range(cfg.waves):
-            slot = L.direct_row_slot(L.tile_origin(bid_m, bid_n, wave, 0, 0, cfg.BM, cfg.BN, cfg.n_rep)[0] + r,
-                                     sentinel)
+            p0 = L.tile_origin(bid_m, bid_n, wave, 0, 0, cfg.BM, cfg.BN, cfg.n_rep)[0]
             for ni in range(cfg.n_rep):
                 n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
-                out.store(L.slot_out_byte_offset(slot, n0 + g * 4, cfg.N), zeros)
+                if cfg.weight_format == INT4:       # one bf16 per element, rows 4g + e, column r
+                    for dm, dn in [L.int4_out_coords(g, r, e) for e in range(4)]:
+                        out.store(L.slot_out_byte_offset(L.direct_row_slot(p0 + dm, sentinel), n0 + dn, cfg.N),
+                                  torch.zeros(L.LANES, 2, dtype=torch.uint8))
+                else:
+                    out.store(L.slot_out_byte_offset(L.direct_row_slot(p0 + r, sentinel), n0 + g * 4, cfg.N),
+                              torch.zeros(L.LANES, 8, dtype=torch.uint8))
 
 
 def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta, sentinel):
@@ -356,7 +421,8 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
         for ni in range(n_rep):
             n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, BM, BN, n_rep)[1]
             w_rows += [L.gate_up_row(n0 + r, gu, N) for gu in range(2)] if stage1 else [n0 + r]
-        accs = [torch.zeros(16, 16) for _ in range(len(w_rows) * m_rep)]
+        n_carried = len(w_rows) * m_rep * (2 if cfg.weight_format == INT4 and cfg.has_offsets else 1)
+        accs = [torch.zeros(16, 16) for _ in range(n_carried)]
         waves.append((wave, p_rows, slots, a_rows, w_rows, accs))
 
     lds_plan = _lds_plan(cfg, bid_m, sid, sentinel) if cfg.a_lds else None
@@ -369,16 +435,15 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                 if cfg.quantized:
                     _scaled_block(cfg, accs, rw, rs, act, act_s, w_rows, a_rows, kb, g, m_rep)
                     continue
-                wq, sc, of = [], [], []
+                if cfg.weight_format == INT4:
+                    _int4_block(cfg, accs, rw, rs, ro, act, lds, w_rows, a_rows, kb, u, g, r, m_rep)
+                    continue
+                wq, sc = [], []
                 for row in w_rows:
                     gi = L.group_index(row, kb, g, K)
                     wq.append(_words(rw.load(L.w_byte_offset(row, kb, g, K), 16)))
-                    if cfg.weight_format == INT4:
-                        sc.append(_bf16_scalar(rs.load(gi * 2, 2)))
-                    else:
-                        b = rs.load(gi, 1)[:, 0].int()
-                        sc.append(L.e8m0_f32_bits(b).view(torch.float32))
-                    of.append(_bf16_scalar(ro.load(gi * 2, 2)) if cfg.has_offsets else None)
+                    b = rs.load(gi, 1)[:, 0].int()
+                    sc.append(L.e8m0_f32_bits(b).view(torch.float32))
                 xs = []
                 for mi in range(m_rep):
                     for j in range(4):
@@ -389,12 +454,15 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                             xs.append(_bf16(act.load(L.act_byte_offset(a_rows[mi], kb, g, j, K), 16)))
                 for j in range(4):
                     for wi in range(len(w_rows)):
-                        w8 = _dequant8(cfg, wq[wi][:, j], sc[wi], of[wi])
+                        w8 = _dequant8(wq[wi][:, j], sc[wi])
                         for mi in range(m_rep):
                             accs[wi * m_rep + mi] = _mfma(accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
 
     for wave, p_rows, slots, a_rows, w_rows, accs in waves:
-        _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta)
+        n_acc = len(w_rows) * m_rep
+        if len(accs) > n_acc:   # int4 offsets: their accumulators join once, in fp32
+            accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
+        _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta, sid, sentinel)
 
 
 def _scaled_block(cfg, accs, rw, rs, act, act_s, w_rows, a_rows, kb, g, m_rep):
@@ -447,10 +515,6 @@ def _launch_quant(qcfg: QuantConfig, args: tuple) -> None:
     for i in range(code_bytes // 16):
         qb.store(q_off + 16 * i, packed[:, 16 * i:16 * i + 16])
     sb.store(s_off, b.to(torch.uint8)[:, None])
-
-
-def _bf16_scalar(b2: torch.Tensor) -> torch.Tensor:
-    return b2.contiguous().view(torch.bfloat16)[:, 0].float()
 
 
 def _lds_plan(cfg, bid_m, sid, sentinel):
@@ -514,9 +578,45 @@ def _epilogue_quantized(cfg, wave, bid_m, bid_n, g, r, p_rows, accs, out, beta, 
                         same_value_ok=True)
 
 
-def _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta):
+def _epilogue_int4(cfg, wave, bid_m, bid_n, g, r, accs, out, tw, sid, beta, lin_beta, sentinel):
+    """moe_gemm._epilogue_int4: register e of lane (g, r) is OUT[m0 + 4g + e][n0 + r]."""
     m_rep = cfg.BM // L.MFMA_TILE
     N = cfg.N
+    coords = [L.int4_out_coords(g, r, e) for e in range(4)]
+    for mi in range(m_rep):
+        p0 = L.tile_origin(bid_m, bid_n, wave, 0, mi, cfg.BM, cfg.BN, cfg.n_rep)[0]
+        rows = [p0 + dm for dm, _ in coords]
+        if cfg.stage == 2:
+            slots = [_row_slot(cfg, sid, p, sentinel) for p in rows]
+            weights = [tw.load(L.router_weight_byte_offset(s), 4).contiguous().view(torch.float32)[:, 0]
+                       for s in slots]
+        for ni in range(cfg.n_rep):
+            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+            if cfg.stage == 1:
+                gate = _lane_values(accs[(ni * 2 + 0) * m_rep + mi], g, r)
+                up = _lane_values(accs[(ni * 2 + 1) * m_rep + mi], g, r)
+                y = _activate(cfg, gate, up, beta, lin_beta).to(torch.bfloat16)
+                for e in range(4):
+                    out.store(L.inter_byte_offset(rows[e], n0 + coords[e][1], N),
+                              y[:, e:e + 1].contiguous().view(torch.uint8))
+                continue
+            acc = _lane_values(accs[ni * m_rep + mi], g, r)
+            for e in range(4):
+                y = acc[:, e] * weights[e]
+                n_col = n0 + coords[e][1]
+                if cfg.reduce == "slots":
+                    out.store(L.slot_out_byte_offset(slots[e], n_col, N),
+                              y.to(torch.bfloat16)[:, None].contiguous().view(torch.uint8))
+                else:
+                    out.atomic_add_f32(L.acc_byte_offset(L.slot_token(slots[e], cfg.top_k), n_col, N), y)
+
+
+def _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta, sid=None, sentinel=0):
+    m_rep = cfg.BM // L.MFMA_TILE
+    N = cfg.N
+    if cfg.weight_format == INT4:
+        _epilogue_int4(cfg, wave, bid_m, bid_n, g, r, accs, out, tw, sid, beta, lin_beta, sentinel)
+        return
     if cfg.stage == 1 and cfg.quantized:
         _epilogue_quantized(cfg, wave, bid_m, bid_n, g, r, p_rows, accs, out, beta, lin_beta)
         return

@@ -15,8 +15,9 @@ No flydsl or torch import here on purpose. Operands stay non-negative wherever
 Buffers (all flat, little-endian, row-major):
   X     [T, K]        bf16 activations (stage 1: hidden, K = H)
   INTER [P, N1]       bf16 stage-1 output in sorted order (stage 2 reads it, K = I)
-  W     [E, R, K/2]   uint8 4-bit codes; R = 2I (gate rows, then up) or H; element k
-                      of a row sits in byte k>>1, low nibble for even k
+  W     [E, R, K/2]   uint8 4-bit codes; R = 2I (gate rows, then up) or H; MXFP4: element
+                      k of a row sits in byte k>>1, low nibble for even k; int4: the kernels'
+                      order within each 64-byte K128 block (int4_swizzle_plan)
   S     [E, R, K/32]  int4: bf16 scale; MXFP4: uint8 e8m0 byte (2^(b-127))
   OFS   [E, R, K/32]  bf16 offsets (asymmetric int4 only): value = q*scale + offset
   SLOTS [T*k, H]      bf16 stage-2 output per (token, slot); summed over the slots after
@@ -25,8 +26,9 @@ Routing: the flat slot s = t*k + j (token t, top-k slot j); SID[p] holds the slo
 of sorted row p, or the sentinel T*k on padding rows; BE[b] the local expert of
 the BM-row block b, or -1 for an unused block.
 
-Lane mapping of one 16x16 MFMA tile ("swap AB": the MFMA A operand is 16 weight
-rows, B is 16 activation rows transposed; wave64, lane l = 16*g + r):
+Lane mapping of one 16x16 MFMA tile of the MXFP4 kernels ("swap AB": the MFMA A
+operand is 16 weight rows, B is 16 activation rows transposed; wave64, lane l = 16*g + r;
+the int4 kernels differ, see "weight decode" below):
   * in K128 block kb, lane group g owns k in [128*kb + 32*g, +32): exactly one
     scale group, one 16-byte weight load, 64 contiguous activation bytes;
   * MFMA step j (0..3) consumes k = 128*kb + 32*g + 8*j + t, t < 8 (gfx942 splits
@@ -159,20 +161,84 @@ def router_weight_byte_offset(slot):
 
 
 # --------------------------------------------------------------------- weight decode
-# int4, "cvt_off": v_cvt_off_f32_i4 reads the low nibble of the byte that the SDWA
-# selector picks and returns sext4(nibble) / 16. Element t of a 32-bit word comes
-# from (word >> INT4_CVT_SHIFT[t]) with byte selector INT4_CVT_BYTE[t].
-INT4_CVT_SHIFT = tuple(4 * (t & 1) for t in range(8))
-INT4_CVT_BYTE = tuple(t >> 1 for t in range(8))
-INT4_CVT_SCALE = 16.0   # the instruction divides by 16; the kernel multiplies the scale back
+# int4 (both archs): every MFMA's K slice lies inside one 32-element scale group, so the
+# codes enter the bf16 MFMA unscaled and the group scale multiplies fp32 partial sums.
+#   * K128 block kb of a row: lane group g loads the 16 bytes at w_byte_offset (as MXFP4);
+#     in the kernels' byte order (`int4_swizzle_plan`, applied once at load) dword G of that
+#     chunk holds elements j = 0..7 of group 4kb + G for that lane group:
+#     k = 128 kb + 32 G + 8 g + j (`int4_k_of`), and the lane's activations for group G are
+#     the 16 contiguous bytes at int4_act_byte_offset.
+#   * nibbles are stored offset-binary, u = q + 8, and physical nibble p of a dword holds
+#     element INT4_NIBBLE_ELEMENT[p], so that word i of `int4_bf16_words`,
+#     ((w >> 4i) & 0x000F000F) | 0x43004300, is the bf16 pair of elements (2i, 2i+1), each
+#     0x4300 | u = 128 + u = q + 136: exact. (A nibble at bits 4-7 of a half word would
+#     reach the exponent's low bit, so every word takes its shift.)
+#   * gfx942 feeds the 8 values as two 16x16x16 MFMAs, gfx950 as one 16x16x32: either way one
+#     MFMA chain per (group, tile), started from -136 sum_k x_k (an MFMA of the activations
+#     with the constant INT4_NEG_BIAS_WORDS, once per row tile and group), ends at
+#     P = sum_k q_k x_k in fp32; acc += scale * P (v_pk_fma_f32). With offsets, a second
+#     accumulator per tile takes offset * x_k through the MFMA too (the bf16 offset, exact,
+#     in every slot of the B operand: `int4_offset_word`), over all groups, and is added to
+#     acc once after the K loop.
+#   * activations are the MFMA's A operand and weights its B operand ("no swap"), so a lane
+#     holds one weight row (n0 + r, its own scale) and four activation rows m0 + 4g + e.
+INT4_XOR = 0x88                               # per byte: two's complement q -> u = q + 8
+INT4_NIBBLE_ELEMENT = (0, 2, 4, 6, 1, 3, 5, 7)
+INT4_WORD_SHIFT = (0, 4, 8, 12)
+INT4_WORD_MASK = 0x000F000F
+INT4_WORD_HIGH = 0x43004300
+INT4_BIAS = 136                               # bf16 value of a decoded half = q + 136
+INT4_NEG_BIAS_WORDS = (0xC308C308,) * 4       # bf16 pairs -136
 
 
-def int4_code_shift(word, t):
-    """Element t (0..7) of a 32-bit word as a sign-extended int4 ("shift" decode).
+def int4_swizzle_plan():
+    """(physical dword d -> source dword, physical nibble p -> source nibble) of a 64-byte row block.
 
-    Needs an arithmetic right shift of a 32-bit signed value: fx.Int32 and torch.int32 do that.
+    Physical dword 4g + G (lane group g's load, dword G) holds the formats' dword 4G + g
+    (elements 32G + 8g + [0, 8) of the block); inside it, physical nibble p holds the
+    formats' nibble INT4_NIBBLE_ELEMENT[p]. Every byte is then XORed with INT4_XOR.
     """
-    return (word << (28 - 4 * t)) >> 28
+    return tuple(4 * (d & 3) + (d >> 2) for d in range(16)), INT4_NIBBLE_ELEMENT
+
+
+def int4_k_of(kb, G, g, j):
+    """Logical k of element j (0..7) of group dword G, lane group g, K128 block kb (int4 kernels)."""
+    return kb * K_BLOCK + G * GROUP + g * 8 + j
+
+
+def int4_act_byte_offset(row, kb, G, g, K):
+    """int4 kernels: byte offset of the 8 bf16 activations (elements j = 0..7) a lane pairs with group G."""
+    return (row * K + kb * K_BLOCK + G * GROUP + g * 8) * 2
+
+
+def int4_group_quad_index(row, kb, K):
+    """Element index (inside one expert) of the 4 scales (offsets) of row `row`, groups 4kb..4kb+3."""
+    return group_index(row, kb, 0, K)
+
+
+def int4_bf16_words(w, high=INT4_WORD_HIGH):
+    """One kernel-order dword of 8 offset-binary nibbles -> 4 words, each a bf16 pair (2i, 2i+1).
+
+    Seven integer ops: three shifts, four and-or (v_and_or_b32). `w` is a 32-bit int
+    (fx.Int32 or a torch int tensor); an arithmetic shift is fine, the mask drops the sign bits.
+    `high` is INT4_WORD_HIGH; the kernels pass it held in a VGPR (a gfx9 VOP3 instruction reads
+    one SGPR or literal at most, and the mask already is one).
+    """
+    return [((w >> s) if s else w) & INT4_WORD_MASK | high for s in INT4_WORD_SHIFT]
+
+
+def int4_offset_word(pair, G):
+    """Offset of group G (0..3) of the row in both halves of a word; `pair` is the dword of the
+    row's 8-byte offset load that holds it (dword G >> 1, half G & 1)."""
+    if G & 1:
+        return (pair & -65536) | ((pair >> 16) & 0xFFFF)
+    return (pair & 0xFFFF) | (pair << 16)
+
+
+def int4_out_coords(g, r, e):
+    """int4 kernels (activations in A, weights in B): (activation row, weight column) of
+    accumulator register e of lane (g, r), offsets inside the 16x16 tile."""
+    return d_row_col(g, r, e)
 
 
 def e2m1_f32_bits(code):
@@ -190,17 +256,6 @@ E2M1_BIAS_FIX = 2.0 ** 126
 def e8m0_f32_bits(b):
     """float32 bit pattern of 2^(b-127) for b in 1..254 (b = 0 gives 0.0, b = 255 inf)."""
     return b << 23
-
-
-def bf16_rne_bits(f32_bits):
-    """bf16 bit pattern (low 16 bits of the result) of a finite float32, rounded to nearest even.
-
-    Three integer ops and no NaN handling: gfx942 has no packed f32->bf16 convert, and
-    the NaN-safe lowering of a plain conversion costs five VALU ops and SGPR masks per
-    value. Weights decoded from finite codes and scales are finite. `f32_bits` must be
-    non-negative (an unsigned view): fx.Uint32 on the device, an int64 tensor on the CPU.
-    """
-    return (f32_bits + 0x7FFF + ((f32_bits >> 16) & 1)) >> 16
 
 
 # --------------------------------------------------------------------- epilogue math

@@ -1,6 +1,6 @@
 """The kernel set CI compiles: every table tile at Kimi-K3's per-rank shape, per arch,
-for SiLU and SiTUv2 (direct tiers in both layouts), plus the variants the checks need (runtime betas, a second
-beta pair, asymmetric int4, the cvt_off int4 decode, fp32-atomic split-K stage 2),
+for SiLU and SiTUv2 (direct tiers in both layouts), plus the variants the checks need (runtime betas,
+a second beta pair, asymmetric int4, fp32-atomic split-K stage 2),
 and on gfx950 the quantized-activation kernels: both activation quantizers, every
 tier's a8w4 and a4w4 stages with SiTUv2, and SiLU / other-beta / atomic variants.
 """
@@ -39,8 +39,7 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
             replace(s2, reduce="atomic", split_k=3),
         ]
         if fmt == INT4:
-            extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True),
-                       replace(s1, int4_decode="cvt_off")]
+            extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True)]
         for cfg in extras:
             out.setdefault(cfg)
         for cfg in quantized_configs(arch):

@@ -162,7 +162,7 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = Fals
 
 def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int, num_tokens: int,
                   activation: ActivationSpec, betas: str = "const", has_offsets: bool = False,
-                  reduce: str = "slots", int4_decode: str = "shift", act_dtype: str = BF16,
+                  reduce: str = "slots", act_dtype: str = BF16,
                   direct_experts: int | None = None, table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
     """(stage 1, stage 2) kernel configs for a layer of this shape at this token count.
 
@@ -175,7 +175,7 @@ def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top
     quantized = act_dtype != BF16
     direct = tier.direct and direct_experts is not None and not quantized
     common = dict(arch=arch, weight_format=weight_format, top_k=top_k, BM=tier.BM, has_offsets=has_offsets,
-                  int4_decode=int4_decode, act_dtype=act_dtype, direct=direct,
+                  act_dtype=act_dtype, direct=direct,
                   num_experts=direct_experts if direct else 0)
     s1 = KernelConfig(stage=1, N=inter, K=hidden, activation="silu", **common,
                       **_fit(tier.stage1, tier.BM, inter, hidden, pairs=quantized, lds=not quantized)

@@ -9,7 +9,6 @@ from flydsl.expr import rocdl
 from flydsl.expr.typing import T
 
 from kimi_k3_moe.act_quant import FP4
-from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.kernels.flydsl import layout as L
 
 
@@ -67,67 +66,22 @@ def select(cond, a, b):
 
 
 # --------------------------------------------------------------------- scales
-def load_scale_raw(cfg, s_res, gi):
-    """Group scale as stored: bf16 (int4) or the e8m0 byte (MXFP4), element gi of one expert. Kept raw
-    so a prefetched block's scale is converted where it is used, not where its load is issued (a
-    conversion right after the load would wait for it there)."""
-    if cfg.weight_format == INT4:
-        return fx.BFloat16(load(s_res, gi * 2, T.bf16))
+def load_scale_raw(s_res, gi):
+    """MXFP4 group scale as stored (the e8m0 byte), element gi of one expert. Kept raw so a prefetched
+    block's scale is converted where it is used, not where its load is issued (a conversion right
+    after the load would wait for it there)."""
     return fx.Uint8(load(s_res, gi, T.i8))
 
 
-def scale_value(cfg, raw):
-    """A raw scale as f32."""
-    if cfg.weight_format == INT4:
-        return raw.to(fx.Float32)
+def scale_value(raw):
+    """A raw e8m0 scale byte as f32."""
     return L.e8m0_f32_bits(raw.to(fx.Int32)).bitcast(fx.Float32)     # zero-extended byte
 
 
-def load_offset_raw(o_res, gi):
-    return fx.BFloat16(load(o_res, gi * 2, T.bf16))
-
-
-def offset_value(raw):
-    return raw.to(fx.Float32)
-
-
 # --------------------------------------------------------------------- decode
-def _int4_values(cfg, word, scale, offset):
-    """8 int4 codes of one dword -> 8 f32 values q*scale (+ offset), element t in bits 4t..4t+3."""
-    vals = []
-    if cfg.int4_decode == "cvt_off":
-        # v_cvt_off_f32_i4 returns sext4(nibble)/16 (AMD ISA table; LLVM folds 8 -> -0.5)
-        s = scale * L.INT4_CVT_SCALE
-        odd = word.shrui(fx.Int32(4))
-        for t in range(8):
-            src = word if L.INT4_CVT_SHIFT[t] == 0 else odd
-            vals.append(fx.Float32(rocdl.cvt_off_f32_i4(src.ir_value(), byte_sel=L.INT4_CVT_BYTE[t])) * s)
-    else:
-        for t in range(8):
-            vals.append(L.int4_code_shift(word, t).to(fx.Float32) * scale)
-    if offset is not None:
-        vals = [v + offset for v in vals]
-    return vals
-
-
-def _to_bf16x8(cfg, vals):
-    """8 finite f32 -> v8bf16, round to nearest even. gfx950 has v_cvt_pk_bf16_f32; gfx942
-    gets layout.bf16_rne_bits (3 integer ops, no NaN path) and a pack per pair."""
-    if cfg.arch == "gfx950":
-        return fx.Vector.from_elements(vals, fx.Float32).to(fx.BFloat16)
-    words = []
-    for i in range(0, 8, 2):
-        lo = L.bf16_rne_bits(vals[i].bitcast(fx.Uint32))
-        hi = L.bf16_rne_bits(vals[i + 1].bitcast(fx.Uint32))
-        words.append((lo | (hi << 16)).bitcast(fx.Int32))
-    return fx.Vector.from_elements(words, fx.Int32).bitcast(fx.BFloat16)
-
-
-def dequant8(cfg, word, scale, offset):
-    """One dword of 8 packed 4-bit codes + its group's scale (and offset) -> v8bf16 MFMA fragment."""
-    if cfg.weight_format == INT4:
-        return _to_bf16x8(cfg, _int4_values(cfg, word, scale, offset))
-    # gfx950: v_cvt_scalef32_pk_bf16_fp4, byte selector j -> (low nibble, high nibble) = elements 2j, 2j+1
+def dequant8(cfg, word, scale, offset=None):
+    """MXFP4: one dword of 8 e2m1 codes + its group's scale -> v8bf16 MFMA fragment.
+    gfx950: v_cvt_scalef32_pk_bf16_fp4, byte selector j -> (low nibble, high nibble) = elements 2j, 2j+1."""
     parts = []
     for sel in range(4):
         pair = fx.Vector(rocdl.cvt_scalef32_pk_bf16_fp4(T.vec(2, T.bf16), word.ir_value(), scale.ir_value(), sel))
@@ -135,13 +89,63 @@ def dequant8(cfg, word, scale, offset):
     return fx.Vector.from_elements(parts, fx.BFloat16)
 
 
+def int4_word_high():
+    """layout.INT4_WORD_HIGH in a VGPR, made once before the K loop.
+
+    Through an opaque v_mov: LLVM would otherwise keep both constants of the and-or as
+    literals and, a gfx9 VOP3 reading at most one, split it into v_and_b32 + v_or_b32.
+    """
+    from flydsl._mlir import ir
+    from flydsl._mlir.dialects import llvm
+
+    return fx.Int32(llvm.inline_asm(ir.IntegerType.get_signless(32), [i32(L.INT4_WORD_HIGH)],
+                                    "v_mov_b32 $0, $1", "=v,s", has_side_effects=False))
+
+
+def int4_decode8(word, high):
+    """int4: one kernel-order dword -> v8bf16 of q + 136 (layout.int4_bf16_words: 7 integer ops)."""
+    return fx.Vector.from_elements(L.int4_bf16_words(fx.Int32(word), high), fx.Int32).bitcast(fx.BFloat16)
+
+
+def int4_constant8(words):
+    """A constant v8bf16 operand (layout.INT4_NEG_BIAS_WORDS)."""
+    return fx.Vector.from_elements([fx.Int32(w) for w in words], fx.Int32).bitcast(fx.BFloat16)
+
+
+def load_bf16x4(res, element):
+    """Four consecutive bf16 (8 bytes, one load) as two i32 words."""
+    v = fx.Vector(load(res, element * 2, T.vec(2, T.i32)))
+    return [fx.Int32(v[0]), fx.Int32(v[1])]
+
+
+def bf16x4_f32(pairs):
+    """The 4 bf16 of load_bf16x4 as f32 (a shift or a mask each)."""
+    out = []
+    for w in pairs:
+        out += [(w << 16).bitcast(fx.Float32), (w & -65536).bitcast(fx.Float32)]
+    return out
+
+
+def int4_offset8(pairs, G):
+    """v8bf16 with the offset of group G in every slot (layout.int4_offset_word)."""
+    w = L.int4_offset_word(pairs[G >> 1], G)
+    return fx.Vector.from_elements([w] * 4, fx.Int32).bitcast(fx.BFloat16)
+
+
+def fma4(a, s, c):
+    """c + a * s on v4f32 with a scalar s: two v_pk_fma_f32 (one rounding per element). LLVM
+    unpacks some into v_fma_f32 pairs that it issues in an MFMA's shadow."""
+    return fx.Vector(fx.math.fma(a, fx.Vector.filled(4, s, fx.Float32), c))
+
+
 # --------------------------------------------------------------------- MFMA
-def mma(cfg, acc, w8, x8):
-    """acc (v4f32) += the 16x16 tile product of 8 bf16 weights and 8 bf16 activations per lane."""
+def mma(cfg, acc, a8, b8):
+    """acc (v4f32) += the 16x16 tile product of 8 bf16 A values and 8 bf16 B values per lane.
+    MXFP4 kernels pass weights as A ("swap AB"), int4 kernels activations."""
     if cfg.mfma == "16x16x32":
-        return fx.Vector(rocdl.mfma_f32_16x16x32_bf16(T.vec(4, T.f32), [w8, x8, acc]))
-    wi = w8.bitcast(fx.Int16)   # the gfx942 *_1k op takes vector<4xi16>
-    xi = x8.bitcast(fx.Int16)
+        return fx.Vector(rocdl.mfma_f32_16x16x32_bf16(T.vec(4, T.f32), [a8, b8, acc]))
+    wi = a8.bitcast(fx.Int16)   # the gfx942 *_1k op takes vector<4xi16>
+    xi = b8.bitcast(fx.Int16)
     for h in range(2):
         sel = [4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3]
         acc = fx.Vector(rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [wi.shuffle(wi, sel), xi.shuffle(xi, sel), acc]))
@@ -250,6 +254,10 @@ def pack_codes(codes, act_dtype):
 
 def store_u8(val, res, byte_off):
     rocdl.raw_ptr_buffer_store(fx.Int32(val).to(fx.Uint8).ir_value(), res, i32(byte_off), i32(0))
+
+
+def store_bf16(val, res, byte_off):
+    rocdl.raw_ptr_buffer_store(fx.Float32(val).to(fx.BFloat16).ir_value(), res, i32(byte_off), i32(0))
 
 
 def store_u16(val, res, byte_off):

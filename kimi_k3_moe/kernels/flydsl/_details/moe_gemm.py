@@ -25,6 +25,7 @@ from flydsl.expr import gpu, range_constexpr, rocdl
 from flydsl.expr.typing import T
 
 from kimi_k3_moe.act_quant import FP8
+from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.kernels.flydsl import layout as L
 from kimi_k3_moe.kernels.flydsl._details import device as D
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig
@@ -114,13 +115,21 @@ def _end_tile(cfg):
 
 
 def _load_weights(cfg, rw, rs, ro, w_rows, kb, g):
+    """Per weight row: its 16-byte code chunk; MXFP4: the chunk's scale byte (group 4kb + g);
+    int4: the row's 4 bf16 scales (and offsets) of the block, one 8-byte load each. Scales stay raw."""
     words, scales, offsets = [], [], []
     for row in w_rows:
+        if cfg.weight_format == INT4:
+            words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
+            qi = L.int4_group_quad_index(row, kb, cfg.K)
+            scales.append(D.load_bf16x4(rs, qi))        # converted at use (see _compute_block)
+            offsets.append(D.load_bf16x4(ro, qi) if cfg.has_offsets else None)
+            continue
         gi = L.group_index(row, kb, g, cfg.K)
         words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
         # raw: the scaled MFMA takes the e8m0 byte zero-extended; bf16 kernels convert at use
-        scales.append(D.load_u8(rs, gi) if cfg.quantized else D.load_scale_raw(cfg, rs, gi))
-        offsets.append(D.load_offset_raw(ro, gi) if cfg.has_offsets else None)
+        scales.append(D.load_u8(rs, gi) if cfg.quantized else D.load_scale_raw(rs, gi))
+        offsets.append(None)
     return words, scales, offsets
 
 
@@ -155,15 +164,45 @@ def _lds_activations(cfg, lds, u, g, r):
 
 
 def _mma_block(cfg, accs, words, scales, offsets, xs):
-    """4 MFMA steps over one K128 block for every (weight sub-tile, row sub-tile) pair."""
+    """MXFP4: 4 MFMA steps over one K128 block for every (weight sub-tile, row sub-tile) pair."""
     m_rep = cfg.BM // L.MFMA_TILE
     new = list(accs)
     for j in range(4):
         for wi in range(len(words)):
-            w8 = D.dequant8(cfg, fx.Int32(words[wi][j]), scales[wi], offsets[wi])
+            w8 = D.dequant8(cfg, fx.Int32(words[wi][j]), scales[wi])
             for mi in range(m_rep):
                 a = wi * m_rep + mi
                 new[a] = D.mma(cfg, new[a], w8, xs[mi * 4 + j])
+    return new
+
+
+def _int4_lds_activation(cfg, lds, mi, u, g, r, G):
+    """v8bf16 of the staged tile: row sub-tile mi, elements j = 0..7 paired with group dword G."""
+    lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.kb_unroll)
+    return fx.Vector(fx.ptr_load(fx.add_offset(lds, lofs >> 2), T.vec(4, T.i32))).bitcast(fx.BFloat16)
+
+
+def _int4_block(cfg, accs, words, scales, offsets, load_x, high):
+    """int4, one K128 block: per scale group G an MFMA chain per tile on the raw q + 136 values,
+    scaled in fp32 (layout.py's int4 notes). Activations are A, weights B. With offsets,
+    accs[n:] are the offset accumulators (one per tile, over all groups). Row sub-tiles
+    outermost inside a group: one activation fragment and one -136 sum(x) live at a time."""
+    m_rep = cfg.BM // L.MFMA_TILE
+    n = len(words) * m_rep
+    zero = fx.Vector.filled(4, 0.0, fx.Float32)
+    neg_bias = D.int4_constant8(L.INT4_NEG_BIAS_WORDS)
+    new = list(accs)
+    for G in range(4):
+        w8s = [D.int4_decode8(words[wi][G], high) for wi in range(len(words))]
+        o8s = [D.int4_offset8(offsets[wi], G) for wi in range(len(words))] if cfg.has_offsets else None
+        for mi in range(m_rep):
+            x = load_x(mi, G)
+            base = D.mma(cfg, zero, x, neg_bias)                       # -136 sum x
+            for wi in range(len(words)):
+                a = wi * m_rep + mi
+                new[a] = D.fma4(D.mma(cfg, base, x, w8s[wi]), scales[wi][G], new[a])
+                if cfg.has_offsets:
+                    new[n + a] = D.mma(cfg, new[n + a], x, o8s[wi])
     return new
 
 
@@ -172,16 +211,20 @@ def _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb, g):
     then (unless staged through LDS) the activation fragments and their scales."""
     words, scales, offsets = _load_weights(cfg, rw, rs, ro, w_rows, kb, g)
     loaded = list(words) + list(scales) + (list(offsets) if cfg.has_offsets else [])
+    m_rep = cfg.BM // L.MFMA_TILE
     if cfg.quantized:
         xs, x_scales = _load_qactivations(cfg, ra, ras, a_rows, kb, g)
         return loaded + xs + x_scales
     if cfg.a_lds:
         return loaded
+    if cfg.weight_format == INT4:   # fragment [mi * 4 + G]: row sub-tile mi, scale group G
+        return loaded + [D.load_v4i32(ra, L.int4_act_byte_offset(a_rows[mi], kb, G, g, cfg.K))
+                         for mi in range(m_rep) for G in range(4)]
     return loaded + [D.load_v4i32(ra, L.act_byte_offset(a_rows[mi], kb, g, j, cfg.K))
-                     for mi in range(cfg.BM // L.MFMA_TILE) for j in range(4)]
+                     for mi in range(m_rep) for j in range(4)]
 
 
-def _compute_block(cfg, accs, loaded, lds, u, g, r):
+def _compute_block(cfg, accs, loaded, lds, u, g, r, high):
     """The MFMAs of one K128 block on what `_load_block` loaded (a plain function: its Python `if`s
     are compile-time)."""
     n = cfg.n_rep * (2 if cfg.stage == 1 else 1)
@@ -191,18 +234,26 @@ def _compute_block(cfg, accs, loaded, lds, u, g, r):
     rest = rest[n:] if cfg.has_offsets else rest
     if cfg.quantized:
         return _mma_block_scaled(cfg, accs, words, scales, rest[:m_rep], rest[m_rep:])
+    if cfg.weight_format == INT4:
+        if cfg.a_lds:
+            load_x = lambda mi, G: _int4_lds_activation(cfg, lds, mi, u, g, r, G)  # noqa: E731
+        else:
+            load_x = lambda mi, G: fx.Vector(rest[mi * 4 + G]).bitcast(fx.BFloat16)  # noqa: E731
+        return _int4_block(cfg, accs, words, [D.bf16x4_f32(sc) for sc in scales], offsets, load_x, high)
     if cfg.a_lds:
         xs = _lds_activations(cfg, lds, u, g, r)
     else:
         xs = [fx.Vector(v).bitcast(fx.BFloat16) for v in rest]
-    scales = [D.scale_value(cfg, sc) for sc in scales]
-    offsets = [None if o is None else D.offset_value(o) for o in offsets]
+    scales = [D.scale_value(sc) for sc in scales]
     return _mma_block(cfg, accs, words, scales, offsets, xs)
 
 
 def _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g,
-            lane):
-    if cfg.quantized and cfg.stage == 1:
+            lane, rsid=None):
+    if cfg.weight_format == INT4:
+        _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g,
+                       L.lane_split(lane)[1])
+    elif cfg.quantized and cfg.stage == 1:
         _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, lane)
     else:
         _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g)
@@ -240,18 +291,61 @@ def _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_
 def _skipped_block(cfg, Y, num_tokens, wave, g, r):
     """Direct stage 2 with the slots reduction: a pair whose id is out of range (or not on this rank)
     still owns its output row, which gets zeros, so the top-k sum reads no stale memory. Emits
-    nothing for every other kernel."""
+    nothing for every other kernel. Lanes store where their epilogue would (padding rows: dropped)."""
     if not (cfg.direct and cfg.stage == 2 and cfg.reduce == "slots"):
         return
     bid_m, bid_n = fx.block_idx.x, fx.block_idx.y
     N = cfg.N
-    ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * (cfg.top_k * N * 2))   # padding rows: dropped
-    slot = L.direct_row_slot(L.tile_origin(bid_m, bid_n, wave, 0, 0, cfg.BM, cfg.BN, cfg.n_rep)[0] + r,
-                             num_tokens * cfg.top_k)
-    zeros = fx.Vector.filled(4, 0.0, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32)
+    ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * (cfg.top_k * N * 2))
+    p0 = L.tile_origin(bid_m, bid_n, wave, 0, 0, cfg.BM, cfg.BN, cfg.n_rep)[0]
+    sentinel = num_tokens * cfg.top_k
     for ni in range(cfg.n_rep):
         n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
-        D.store(zeros, ry, L.slot_out_byte_offset(slot, n0 + g * 4, N))
+        if cfg.weight_format == INT4:
+            for dm, dn in [L.int4_out_coords(g, r, e) for e in range(4)]:
+                D.store_bf16(fx.Float32(0.0), ry,
+                             L.slot_out_byte_offset(L.direct_row_slot(p0 + dm, sentinel), n0 + dn, N))
+        else:
+            zeros = fx.Vector.filled(4, 0.0, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32)
+            D.store(zeros, ry, L.slot_out_byte_offset(L.direct_row_slot(p0 + r, sentinel), n0 + g * 4, N))
+
+
+def _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, r):
+    """int4 tiles hold OUT[m0 + 4g + e][n0 + r] in register e (layout.int4_out_coords): one bf16
+    store per element; stage 2 looks up the slot (and router weight) of each of its 4 rows."""
+    m_rep = cfg.BM // L.MFMA_TILE
+    N = cfg.N
+    if cfg.stage == 1:
+        ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_rows) * (N * 2))
+        params = D.activation_params(cfg, beta, lin_beta)
+    else:
+        rtw = D.rsrc(fx.get_iter(TW), fx.Int64(num_tokens) * (cfg.top_k * 4))  # padding slot reads 0
+        per_token = cfg.top_k * N * 2 if cfg.reduce == "slots" else N * 4
+        ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * per_token)          # padding slot: dropped
+    coords = [L.int4_out_coords(g, r, e) for e in range(4)]
+    for mi in range(m_rep):
+        p0 = L.tile_origin(bid_m, bid_n, wave, 0, mi, cfg.BM, cfg.BN, cfg.n_rep)[0]
+        rows = [p0 + dm for dm, _ in coords]
+        if cfg.stage == 2:
+            slots = [_row_slot(cfg, rsid, p, num_tokens * cfg.top_k) for p in rows]
+            weights = [D.load_f32(rtw, L.router_weight_byte_offset(s)) for s in slots]
+        for ni in range(cfg.n_rep):
+            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+            if cfg.stage == 1:
+                gate = accs[(ni * 2 + 0) * m_rep + mi]
+                up = accs[(ni * 2 + 1) * m_rep + mi]
+                for e in range(4):
+                    y = D.activate(cfg, params, fx.Float32(gate[e]), fx.Float32(up[e]))
+                    D.store_bf16(y, ry, L.inter_byte_offset(rows[e], n0 + coords[e][1], N))
+                continue
+            acc = accs[ni * m_rep + mi]
+            for e in range(4):
+                y = fx.Float32(acc[e]) * weights[e]
+                n_col = n0 + coords[e][1]
+                if cfg.reduce == "slots":
+                    D.store_bf16(y, ry, L.slot_out_byte_offset(slots[e], n_col, N))
+                else:
+                    D.atomic_add_f32(y, ry, L.acc_byte_offset(L.slot_token(slots[e], cfg.top_k), n_col, N))
 
 
 def _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
@@ -308,6 +402,7 @@ def build(cfg: KernelConfig):
     BM, BN, R, K = cfg.BM, cfg.BN, cfg.weight_rows, cfg.K
     m_rep = BM // L.MFMA_TILE
     n_acc = (2 if cfg.stage == 1 else 1) * cfg.n_rep * m_rep
+    n_carried = n_acc * (2 if cfg.weight_format == INT4 and cfg.has_offsets else 1)   # + offset accumulators
     iters, U, threads = cfg.k_iters, cfg.kb_unroll, cfg.threads
     code_stride = L.expert_code_base(1, R, K)
     group_stride = L.expert_group_base(1, R, K)
@@ -338,8 +433,9 @@ def build(cfg: KernelConfig):
         a_rows = _activation_rows(cfg, slots, p_rows)
         w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
         lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid, sentinel)
-        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_acc)]
-        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, slots, p_rows), accs
+        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_carried)]
+        high = D.int4_word_high() if cfg.weight_format == INT4 else None
+        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid), accs
 
     tile_len = len(range(0, BM * 16 * U, threads)) if cfg.a_lds else 0
 
@@ -353,12 +449,12 @@ def build(cfg: KernelConfig):
         return loaded
 
     def compute_iteration(ops, accs, loaded, g, r):
-        lds, plan = ops[5], ops[6]
+        lds, plan, high = ops[5], ops[6], ops[9]
         _store_tile(cfg, lds, plan, loaded[:tile_len])
         per_block = (len(loaded) - tile_len) // U
         for u in range(U):
             block = loaded[tile_len + u * per_block:tile_len + (u + 1) * per_block]
-            accs = _compute_block(cfg, accs, block, lds, u, g, r)
+            accs = _compute_block(cfg, accs, block, lds, u, g, r, high)
         _end_tile(cfg)
         return accs
 
@@ -381,9 +477,11 @@ def build(cfg: KernelConfig):
         return compute_iteration(ops, accs, carried, g, r) if cfg.prefetch else accs
 
     def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
-        slots, p_rows = ops[9:]
+        slots, p_rows, rsid = ops[10:]
+        if n_carried > n_acc:   # int4 offsets: their accumulators join once
+            accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
         _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
-                fx.block_idx.x, fx.block_idx.y, wave, g, lane)
+                fx.block_idx.x, fx.block_idx.y, wave, g, lane, rsid)
 
     # Two signatures: quantized kernels take the activation scales AS and stage 1's output
     # scales YS. The bf16 kernels keep the shorter one: two more (unused) kernel arguments
