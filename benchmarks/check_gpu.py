@@ -10,6 +10,11 @@ both decoders (PTX, portable bits); plus expert parallelism (expert_map),
 int4 with per-group offsets, repeatability and CUDA-graph replay.
 
     python benchmarks/check_gpu.py [--tokens 1,3,16,64,257,1024,4096] [--out results/check.json]
+    compute-sanitizer --tool memcheck python benchmarks/check_gpu.py --sanitize [--shape tp8]
+
+--sanitize runs only the bad expert id cases (benchmarks/bad_ids.py: ids E, -1, 10**6
+and int64 ids, MXFP4 and int4, every path, with and without an expert map), one line
+each; under compute-sanitizer, memcheck must report no errors.
 
 Exit status 1 when any check fails. Needs a CUDA/ROCm GPU with ~40 GB free.
 """
@@ -98,6 +103,11 @@ def main() -> int:
                          "(load-time scale scan on the GPU: NaN/overflow bytes refused, its cost)")
     ap.add_argument("--int4-methods", default="search,asym")
     ap.add_argument("--int4-tokens", default="3,64,1024")
+    ap.add_argument("--sanitize", action="store_true",
+                    help="only the bad expert id cases (benchmarks/bad_ids.py), for compute-sanitizer memcheck; "
+                         "one line per case, exit 1 if any fails")
+    ap.add_argument("--sanitize-tokens", default="1,3,64,300",
+                    help="token counts of --sanitize (default: gemv and direct paths, one- and four-launch alignment)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     topk = args.topk
@@ -107,6 +117,11 @@ def main() -> int:
     info = env_info()
     log("check_gpu", info, "seed", args.seed)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
+    if args.sanitize:
+        from bad_ids import run_cases
+        failed = run_cases(dev, gen, e, h, i, topk, [int(t) for t in args.sanitize_tokens.split(",")], say=log)
+        log(f"sanitize: {failed} case(s) failed (seed {args.seed})")
+        return 1 if failed else 0
     chk = Checker(args.out, {"info": info, "seed": args.seed, "tolerance": TOLERANCE, "shape": shape})
 
     sections = set(args.sections.split(","))

@@ -15,8 +15,9 @@ from pathlib import Path
 from kimi_k3_moe import settings
 from kimi_k3_moe.cli import positive_int
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, TARGETS, ConvertedCheckpointError,
-                                           convert_checkpoint, open_converted, verify_sources)
+from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, RECORD_FILE, TARGETS,
+                                           ConvertedCheckpointError, convert_checkpoint, open_converted,
+                                           verify_sources)
 
 HELP = "convert a Kimi-K3 MXFP4 checkpoint's experts to int4 once, for gfx942 servers to load directly"
 
@@ -105,10 +106,18 @@ def _verify(args: argparse.Namespace) -> int:
             f"--out {args.out} holds a conversion made with " + ", ".join(f"{k} {held[k]}" for k in differ)
             + ", not " + ", ".join(f"{k} {asked[k]}" for k in differ) + " as asked; verify with the options "
             "it was made with, or convert again")
+    damaged = checkpoint.check_files()  # the folder against its manifest, before the source
+    if damaged:
+        for line in damaged[:20]:
+            print(f"DAMAGED: {line}")
+        more = f" ({len(damaged) - 20} more not shown)" if len(damaged) > 20 else ""
+        print(f"DAMAGED: {len(damaged)} problem(s) with the files of {checkpoint.path}{more}; convert again")
+        return 1
     checkpoint.check_source(args.model)
     changed = verify_sources(checkpoint, args.model, progress=not args.no_progress)
     if changed:
         print(f"STALE: the MXFP4 source of {len(changed)} file(s) changed: {', '.join(changed[:8])}")
         return 1
-    print(f"OK: {len(checkpoint.record['files'])} file(s) match the source bytes of {args.model}")
+    print(f"OK: {len(checkpoint.record['files'])} file(s) match their SHA-256 in {RECORD_FILE} and the "
+          f"source bytes of {args.model}")
     return 0

@@ -176,4 +176,28 @@ def _check_model(model: str, tp: int, *, weights: bool, progress: bool) -> list[
     folder = Path(model).parent if Path(model).is_file() else Path(model)
     weight_problems, summary = check_weights(folder, cfg, progress=progress)
     print(f"  {summary}: {'OK' if not weight_problems else f'{len(weight_problems)} problem(s)'}")
-    return problems + weight_problems
+    return problems + weight_problems + _check_converted(folder)
+
+
+def _check_converted(folder: Path) -> list[str]:
+    """The full manifest check of the converted int4 folder a plugin would load, when there is one."""
+    from kimi_k3_moe.weights.converted import converted_location, open_converted
+
+    try:
+        where, _ = converted_location(folder)
+    except ValueError as exc:  # an invalid KIMI_K3_MOE_CONVERTED, listed with the settings already
+        return [] if str(exc) in settings.check_all() else [str(exc)]
+    if where is None or not where.exists():
+        print("  converted int4 experts: none")
+        return []
+    try:
+        found = open_converted(where)
+        problems = [f"converted int4 experts: {line}" for line in found.check_files()]
+        found.check_source(folder)
+    except ValueError as exc:  # ConvertedCheckpointError, or CheckpointError from the source's shards
+        print(f"  converted int4 experts: {where}: refused")
+        return [str(exc)]
+    files = len(found.record["files"])
+    print(f"  converted int4 experts: {where}: {files} file(s) checked against their SHA-256: "
+          + ("OK" if not problems else f"{len(problems)} problem(s)"))
+    return problems

@@ -117,3 +117,25 @@ def check_scale_shape(packed: torch.Tensor, scales: torch.Tensor, name: str) -> 
 def _require_uint8(t: torch.Tensor, name: str) -> None:
     if t.dtype != torch.uint8:
         raise TypeError(f"{name} must be uint8, got {t.dtype}")
+
+
+def scale_shape_2d(shape: tuple[int, ...], name: str) -> tuple[int, int]:
+    """The [N, K/32] shape a checkpoint scale of `shape` stands for, or ValueError naming it.
+
+    Exports store scales 2-D, or 4-D as [N, 1, K/32, 1] (K3_FACTS section 3);
+    no other 4-D layout is known from a real export, and slicing one plane
+    out of an unknown layout would serve wrong scales without a word.
+    """
+    shape = tuple(int(d) for d in shape)
+    if len(shape) == 2:
+        return shape
+    if len(shape) == 4 and shape[1] == 1 and shape[3] == 1:
+        return shape[0], shape[2]
+    raise ValueError(f"tensor {name!r} is a scale of shape {shape}; expected [N, K/32] or "
+                     "[N, 1, K/32, 1] (no other layout is known from a real export)")
+
+
+def scale_as_2d(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """A checkpoint scale as [N, K/32] (a view), under the one rule of `scale_shape_2d`."""
+    scale_shape_2d(tuple(scale.shape), name)
+    return scale[:, 0, :, 0] if scale.dim() == 4 else scale

@@ -2,14 +2,17 @@
 
 Each request opens its own connection (a GSM8K question costs seconds of
 generation; a TCP handshake is noise) so a dropped or half-read connection can
-never poison the next request. The timeout bounds the whole request, not just
-each socket read.
+never poison the next request. The timeout is a hard wall-clock deadline on
+each attempt (connect, send, headers and body together): a timer shuts the
+socket down when it passes, so a server that trickles a byte at a time or
+stalls mid-reply cannot stretch it, as a per-read socket timeout would let it.
 """
 from __future__ import annotations
 
 import http.client
 import json
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -82,9 +85,9 @@ class Server:
 
     def _exchange(self, method: str, path: str, body: dict | None) -> object:
         """Send one request and return the decoded JSON reply, or raise RequestFailed."""
-        deadline = time.monotonic() + self.timeout_s
         connection_class = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = connection_class(self._host, self._port, timeout=self.timeout_s)
+        deadline = _Deadline(conn, self.timeout_s)
         headers = {"Accept": "application/json"}
         data = None
         if body is not None:
@@ -94,22 +97,24 @@ class Server:
             headers["Authorization"] = f"Bearer {self._api_key}"
         where = f"{method} {self.base_url}{path}"
         try:
-            conn.request(method, self._prefix + path, body=data, headers=headers)
-            response = conn.getresponse()
-            chunks = []
-            while chunk := response.read(1 << 16):
-                chunks.append(chunk)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"reply still arriving after {self.timeout_s:g} s")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no complete reply within {self.timeout_s:g} s")
-            status, raw = response.status, b"".join(chunks)
+            with deadline:
+                conn.connect()  # bounded by its own timeout of the same length
+                deadline.check()  # a timer that fired before the socket existed had nothing to shut
+                conn.request(method, self._prefix + path, body=data, headers=headers)
+                response = conn.getresponse()
+                status, raw = response.status, response.read()
         except (OSError, http.client.HTTPException) as exc:
             # refused, reset, dropped, timed out, truncated: all worth another try
+            if deadline.expired:  # the timer's shutdown surfaces as whatever the read saw; say why
+                exc = TimeoutError(f"no complete reply within {self.timeout_s:g} s (the deadline "
+                                   "bounds the whole request)")
             detail = str(exc) or "connection closed without a reply"
             raise RequestFailed(f"{where}: {type(exc).__name__}: {detail}", retryable=True) from None
         finally:
             conn.close()
+        if deadline.expired:  # finished reading only because the socket was shut down
+            raise RequestFailed(f"{where}: TimeoutError: no complete reply within {self.timeout_s:g} s",
+                                retryable=True)
         if status != 200:
             excerpt = raw[:300].decode(errors="replace").strip()
             raise RequestFailed(f"{where}: HTTP {status}: {excerpt}", retryable=status in RETRY_STATUS)
@@ -173,6 +178,47 @@ class Server:
             raise RequestFailed(f"GET {self.base_url}/v1/models: no 'data' list in the reply",
                                 retryable=False)
         return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+class _Deadline:
+    """A wall-clock limit on one connection: when it passes, the socket is shut down, which ends
+    any read or write blocked on it at once (a socket timeout only bounds each single read).
+
+    Used as a context manager around the exchange; `expired` says whether it fired."""
+
+    def __init__(self, conn: http.client.HTTPConnection, seconds: float):
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._done = False
+        self.expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+
+    def _expire(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.expired = True
+            sock = self._conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # already closed by the other side
+                pass
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._done = True
+        self._timer.cancel()
+
+    def check(self) -> None:
+        """TimeoutError if the limit passed while nothing could be shut down (during connect)."""
+        if self.expired:
+            raise TimeoutError("the deadline passed while connecting")
 
 
 @dataclass(frozen=True)

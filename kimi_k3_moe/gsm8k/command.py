@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight at once (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256, help="per reply (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds one request may take in all (default: %(default)s)")
+                        help="hard wall-clock deadline in seconds on each attempt: connect, send, headers and "
+                             "reply together, however slowly the server trickles (default: %(default)s)")
     parser.add_argument("--retries", type=int, default=5,
                         help="extra attempts on connection errors, timeouts, 5xx and malformed "
                              "replies (default: %(default)s)")

@@ -211,11 +211,8 @@ def _scale_loader(weight_loader):
     inner = Mxfp4MoEMethod.get_scale_weight_loader(weight_loader)
 
     def load(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        if loaded_weight.dim() == 4:
-            if loaded_weight.shape[1] != 1 or loaded_weight.shape[3] != 1:
-                raise ValueError(f"{weight_name}: a 4-D scale must be [N, 1, K/32, 1], got "
-                                 f"{tuple(loaded_weight.shape)}")
-            loaded_weight = loaded_weight[:, 0, :, 0]
+        if loaded_weight.dim() == 4:  # the checkpoint reader's rule: [N, 1, K/32, 1] only
+            loaded_weight = mxfp4.scale_as_2d(loaded_weight, weight_name)
         return inner(param, loaded_weight, weight_name, shard_id, expert_id,
                      return_success=return_success)
 

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from tqdm.auto import tqdm
 
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.weights.checkpoint import CheckpointError, CheckpointReader, expert_tensor_name, read_layer_experts
+from kimi_k3_moe.weights.checkpoint import (INDEX_FILE, CheckpointError, CheckpointReader, expert_tensor_name,
+                                            read_layer_experts)
 from kimi_k3_moe.weights.validate import find_problems
 
 PROJECTIONS = ("w1", "w3", "w2")
@@ -43,7 +44,9 @@ def check_weights(path, cfg, *, progress: bool = True) -> tuple[list[str], str]:
                 layer_problems = find_problems(experts, layer=f"layer {layer}")
                 del experts
         problems += layer_problems
-    summary = (f"weights: {len(reader.shards())} shard(s); {len(layers)} MoE layer(s) x {cfg.num_experts} experts "
+    ignored = (f"; ignored {len(reader.unlisted)} *.safetensors file(s) that {INDEX_FILE} does not list "
+               f"({', '.join(p.name for p in reader.unlisted[:3])})" if reader.unlisted else "")
+    summary = (f"weights: {len(reader.shards())} shard(s){ignored}; {len(layers)} MoE layer(s) x {cfg.num_experts} experts "
                f"x {2 * len(PROJECTIONS)} tensors checked (dtype, shape, NaN/overflowing scale bytes)")
     return problems, summary
 
@@ -55,9 +58,8 @@ def _tensor_problems(reader: CheckpointReader, cfg, layer: int, unreadable: set)
     for e in range(cfg.num_experts):
         for proj in PROJECTIONS:
             rows, cols = sizes[proj]
-            for kind, shapes in (("weight_packed", [(rows, cols // 2)]),
-                                 ("weight_scale", [(rows, cols // mxfp4.BLOCK_SIZE),
-                                                   (rows, 1, cols // mxfp4.BLOCK_SIZE, 1)])):
+            for kind, want in (("weight_packed", (rows, cols // 2)),
+                               ("weight_scale", (rows, cols // mxfp4.BLOCK_SIZE))):
                 name = expert_tensor_name(layer, e, proj, kind, reader.prefix)
                 if name not in reader:
                     missing.append(name)
@@ -72,8 +74,15 @@ def _tensor_problems(reader: CheckpointReader, cfg, layer: int, unreadable: set)
                     continue
                 if dtype != "U8":
                     wrong.append(f"tensor {name!r} has dtype {dtype}; expected U8 (uint8)")
-                elif shape not in shapes:
-                    wrong.append(f"tensor {name!r} has shape {shape}; expected {shapes[0]}")
+                    continue
+                if kind == "weight_scale":
+                    try:  # the reader's one rule for 4-D scales
+                        shape = mxfp4.scale_shape_2d(shape, name)
+                    except ValueError as exc:
+                        wrong.append(str(exc))
+                        continue
+                if shape != want:
+                    wrong.append(f"tensor {name!r} has shape {shape}; expected {want}")
     if in_bad_shards:
         yield f"layer {layer}: {in_bad_shards} expert tensor(s) are in the unreadable shard(s) above"
     if missing:

@@ -68,6 +68,13 @@ def read_index(path: Path) -> dict[str, str]:
 class CheckpointReader:
     """Finds tensors across safetensors shards, with or without an index file.
 
+    Which file holds a tensor (the one rule `doctor`, `convert` and the
+    loaders share, since they all read through this class): with an index,
+    the file it names, and only the files it lists are ever opened (a stray
+    `*.safetensors` beside them is ignored and listed in `unlisted`); without
+    one, every `*.safetensors` in the folder, and a tensor name held by two
+    files is refused naming both (either copy could be the wrong one).
+
     Every failure is a CheckpointError naming the file (and the tensor where
     known): an invalid index, shards it lists but that are missing (refused
     here), a truncated file or corrupt header (when the shard is first opened).
@@ -78,6 +85,7 @@ class CheckpointReader:
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint folder {self.path} does not exist")
         self._handles: dict[Path, object] = {}
+        self.unlisted: list[Path] = []  # *.safetensors an index leaves out: never read
         self._where = self._index()
         self.prefix = self._detect_prefix()
 
@@ -92,13 +100,20 @@ class CheckpointReader:
             if missing:
                 raise CheckpointError(f"{index} lists {len(missing)} shard(s) that are missing: "
                                       f"{', '.join(missing[:5])}")
+            listed = set(where.values())
+            self.unlisted = [p for p in sorted(self.path.glob("*.safetensors")) if p not in listed]
             return where
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"no *.safetensors files in {self.path}")
-        where = {}
+        where: dict[str, Path] = {}
         for shard in shards:
-            where.update({name: shard for name in self._handle(shard).keys()})
+            for name in self._handle(shard).keys():
+                if name in where:
+                    raise CheckpointError(
+                        f"tensor {name!r} is in both {where[name]} and {shard}, and there is no "
+                        f"{INDEX_FILE} to say which holds it; remove the stray file")
+                where[name] = shard
         return where
 
     def check_shards(self) -> Iterable[tuple[Path, str | None]]:
@@ -166,12 +181,10 @@ class CheckpointReader:
 
 
 def _as_2d_scale(t: torch.Tensor, name: str) -> torch.Tensor:
-    # Some exports store [N, 1, K/32, 1]; the meaningful plane is [:, 0, :, 0].
-    if t.dim() == 4:
-        return t[:, 0, :, 0]
-    if t.dim() != 2:
-        raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}; expected 2-D or 4-D scales")
-    return t
+    try:
+        return mxfp4.scale_as_2d(t, name)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _read_checked(reader: CheckpointReader, name: str, shape: tuple[int, int], scale: bool) -> torch.Tensor:

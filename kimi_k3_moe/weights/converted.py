@@ -3,8 +3,13 @@
 Converting a Kimi-K3 rank's 92 MoE layers from MXFP4 to int4 at every
 server start costs time; a converted folder skips it. Layout of the folder:
 
-  kimi_k3_moe_int4.json                 the record (written last: its presence
-                                        means the conversion completed)
+  kimi_k3_moe_int4.json                 the record and manifest (written last: its
+                                        presence means the conversion completed):
+                                        method, target, TP, source fingerprint, and
+                                        each file's size, SHA-256 and sampled digest
+                                        (weights/manifest.py: checked quickly at each
+                                        load, in full by `convert --verify` and
+                                        `doctor --model`)
   layer{L:03d}-tp{r}of{N}.safetensors   one layer's experts for TP rank r:
                                         w13.packed/scales[/offsets], w2.*,
                                         with the file's own identity in its
@@ -51,11 +56,12 @@ from kimi_k3_moe import __version__, settings
 from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.platform import INT4_ARCHS
+from kimi_k3_moe.weights import manifest
 from kimi_k3_moe.weights.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader, read_layer_experts
 from kimi_k3_moe.weights.requant import requantize_experts
 
 FORMAT = "kimi-k3-moe-int4"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every file's SHA-256 and sampled digest in the record (weights/manifest.py)
 RECORD_FILE = "kimi_k3_moe_int4.json"
 PARTIAL_FILE = "kimi_k3_moe_int4.partial.json"  # progress of an unfinished conversion
 CONVERTED_DIRNAME = "kimi_k3_moe_int4"
@@ -63,7 +69,7 @@ ENV_CONVERTED = settings.CONVERTED
 TARGETS = INT4_ARCHS  # archs whose kernels read int4
 LAYOUT = ("int4 v1 (docs/FORMATS.md): w13 [E, 2I/tp, H/2] gate rows first, w2 [E, H, I/tp/2]; "
           "rank r holds intermediate rows [r*I/tp, (r+1)*I/tp) of w1 and w3 and those columns of w2")
-_SAMPLE_BLOCKS, _SAMPLE_BYTES = 16, 64 << 10
+_SAMPLE_BLOCKS, _SAMPLE_BYTES = manifest.SAMPLE_BLOCKS, manifest.SAMPLE_BYTES
 
 
 class ConvertedCheckpointError(ValueError):
@@ -91,17 +97,13 @@ def source_fingerprint(model_dir: str | Path) -> str:
         digest.update(b"index\0" + hashlib.sha256(index.read_bytes()).digest())
     for shard in shards:
         stat = shard.stat()
+        digest.update(f"{shard.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
         with open(shard, "rb") as f:
-            prefix = f.read(8)
-            header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-            if not 0 <= header_len <= stat.st_size - 8:
-                raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt header)")
-            digest.update(f"{shard.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
-            digest.update(hashlib.sha256(f.read(header_len)).digest())
-            data_start, data_len = 8 + header_len, stat.st_size - 8 - header_len
-            for k in range(_SAMPLE_BLOCKS):
-                f.seek(data_start + data_len * k // _SAMPLE_BLOCKS)
-                digest.update(f.read(min(_SAMPLE_BYTES, data_len)))
+            try:
+                manifest.header_and_samples(f, stat.st_size, shard, digest, blocks=_SAMPLE_BLOCKS,
+                                            block_bytes=_SAMPLE_BYTES)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
     return "sha256:" + digest.hexdigest()
 
 
@@ -125,8 +127,10 @@ def _flatten(experts: Int4Experts) -> dict[str, torch.Tensor]:
 
 
 def write_layer(path: Path, experts: Int4Experts, *, layer: int, tp_rank: int, tp_size: int,
-                source_digest: str, fingerprint: str) -> int:
-    """One (layer, rank) file, written to a temporary name and renamed; returns its size."""
+                source_digest: str, fingerprint: str) -> dict[str, Any]:
+    """One (layer, rank) file, written to a temporary name and renamed; returns its manifest entry
+    (size, SHA-256, sampled digest), taken from the temporary file so that what is listed is what
+    was written."""
     meta = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "method": experts.method,
             "layer": str(layer), "tp_rank": str(tp_rank), "tp_size": str(tp_size),
             "source_digest": source_digest, "source_fingerprint": fingerprint}
@@ -135,8 +139,9 @@ def write_layer(path: Path, experts: Int4Experts, *, layer: int, tp_rank: int, t
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)  # readable by the server's user, as a plain file would be
+    entry = manifest.describe(tmp)
     os.replace(tmp, path)
-    return path.stat().st_size
+    return entry
 
 
 def write_record(out_dir: Path, record: Mapping[str, Any]) -> Path:
@@ -194,11 +199,10 @@ class ConvertedCheckpoint:
                 f"{self.path} has no layer {layer} for TP rank {tp_rank}/{self.tp_size} "
                 f"(converted layers: {self.layers[:3]}...{self.layers[-1:]})")
         path = self.path / name
-        if not path.is_file():
-            raise ConvertedCheckpointError(f"{path} is listed in {RECORD_FILE} but missing")
-        if path.stat().st_size != entry["size"]:
-            raise ConvertedCheckpointError(f"{path} is {path.stat().st_size} bytes, the record says "
-                                           f"{entry['size']}: truncated or replaced since conversion")
+        try:
+            manifest.check_quick(path, entry, RECORD_FILE)
+        except manifest.ManifestMismatch as exc:
+            raise ConvertedCheckpointError(str(exc)) from None
         try:
             handle = safe_open(path, framework="pt")
         except BaseException as exc:  # safetensors' own error types, or a Rust panic
@@ -234,6 +238,23 @@ class ConvertedCheckpoint:
             raise ConvertedCheckpointError(f"{path}: experts/hidden/intermediate per rank {got}, "
                                            f"expected {want}")
         return loaded.to(device)
+
+    def check_rank_files(self, tp_rank: int) -> None:
+        """Every file of `tp_rank` there with its listed size (a stat each), or the first that is not,
+        named: a server refuses the folder at start rather than at the layer that lacks its file."""
+        for name, entry in sorted(self.record["files"].items()):
+            if entry["tp_rank"] != tp_rank:
+                continue
+            path = self.path / name
+            if not path.is_file():
+                raise ConvertedCheckpointError(f"{path} is listed in {RECORD_FILE} but missing")
+            if path.stat().st_size != entry["size"]:
+                raise ConvertedCheckpointError(f"{path} is {path.stat().st_size} bytes, {RECORD_FILE} says "
+                                               f"{entry['size']}: truncated or replaced since conversion")
+
+    def check_files(self) -> list[str]:
+        """The full check: every file's bytes against its SHA-256, and no file missing or extra."""
+        return manifest.check_full(self.path, self.record["files"], {RECORD_FILE})
 
     def check_source(self, model_dir: str | Path) -> None:
         """Refuse when the model's weight files changed since conversion (cheap fingerprint)."""
@@ -352,6 +373,7 @@ def find_converted(
             problems.append(f"its model has {key} {rec['model'].get(key)}, this model {value}")
     if problems:
         raise ConvertedCheckpointError(f"converted checkpoint {where} does not fit: " + "; ".join(problems))
+    found.check_rank_files(tp_rank)
     if check_source:
         source = Path(model_dir) if model_dir is not None else Path(rec["source"]["path"])
         found.check_source(source)
@@ -419,19 +441,23 @@ def convert_checkpoint(
     done_path, partial_path = out_dir / RECORD_FILE, out_dir / PARTIAL_FILE
     if done_path.is_file():
         previous = _read_json(done_path)
-        if _same_job(previous, record):
+        damaged = _first_damaged(out_dir, previous) if _same_job(previous, record) else None
+        if _same_job(previous, record) and damaged is None:
             log(f"{out_dir} already holds this conversion ({method}, {target}, TP {tp_size}); nothing to do")
             return open_converted(out_dir)
         stale = previous.get("source", {}).get("fingerprint") != fingerprint
-        log(f"{out_dir} holds " + ("a conversion of an older state of the source" if stale else
+        log(f"{out_dir} holds " + (f"this conversion, but {damaged}" if damaged else
+                                   "a conversion of an older state of the source" if stale else
                                    "a conversion with other settings") + ": converting again")
         done_path.unlink()  # about to replace its files: never leave a record describing them
     if partial_path.is_file():
         previous = _read_json(partial_path)
         if _same_job(previous, record):
+            # a file written before the interruption is kept only if its bytes are what was listed
             record["files"] = {name: entry for name, entry in previous["files"].items()
                                if (out_dir / name).is_file()
-                               and (out_dir / name).stat().st_size == entry["size"]}
+                               and (out_dir / name).stat().st_size == entry["size"]
+                               and manifest.file_sha256(out_dir / name) == entry.get("sha256")}
             if record["files"]:
                 log(f"resuming: {len(record['files'])} file(s) already converted")
     reader = CheckpointReader(model_dir)
@@ -452,9 +478,9 @@ def convert_checkpoint(
             converted = requantize_experts(experts, method=method, device=device, chunk_bytes=chunk_bytes,
                                            out_device="cpu", progress=progress,
                                            desc=f"layer {layer} rank {rank}")
-            size = write_layer(out_dir / name, converted, layer=layer, tp_rank=rank, tp_size=tp_size,
-                               source_digest=digest.result(), fingerprint=fingerprint)
-            record["files"][name] = {"layer": layer, "tp_rank": rank, "size": size,
+            written = write_layer(out_dir / name, converted, layer=layer, tp_rank=rank, tp_size=tp_size,
+                                  source_digest=digest.result(), fingerprint=fingerprint)
+            record["files"][name] = {"layer": layer, "tp_rank": rank, **written,
                                      "source_digest": digest.result(),
                                      "seconds": round(time.perf_counter() - start, 3)}
             write_record_as(partial_path, record)
@@ -464,6 +490,16 @@ def convert_checkpoint(
     write_record(out_dir, record)
     partial_path.unlink(missing_ok=True)
     return open_converted(out_dir)
+
+
+def _first_damaged(out_dir: Path, record: Mapping[str, Any]) -> str | None:
+    """The quick check's complaint about the first listed file that fails it, None if all pass."""
+    for name, entry in sorted(record["files"].items()):
+        try:
+            manifest.check_quick(out_dir / name, entry, RECORD_FILE)
+        except (manifest.ManifestMismatch, KeyError) as exc:
+            return str(exc)
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

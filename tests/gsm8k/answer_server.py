@@ -15,7 +15,8 @@ import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-FAULTS = ("drop", "500", "503", "stall", "garbage", "truncated", "no_choices", "400")
+FAULTS = ("drop", "500", "503", "stall", "garbage", "truncated", "no_choices", "400", "trickle")
+TRICKLE_S = 0.25  # "trickle": the reply's headers, then one byte of its body this often
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -99,9 +100,25 @@ class _Handler(BaseHTTPRequestHandler):
             out = {"object": "text_completion", "model": body.get("model"), "usage": usage,
                    "choices": [{"index": 0, "text": reply, "finish_reason": "stop"}]}
         try:
+            if fault == "trickle":
+                return self._trickle(json.dumps(out).encode(), owner.release)
             self._json(200, out)
         except OSError:  # the client gave up on a stalled request
             pass
+
+    def _trickle(self, payload: bytes, release: threading.Event) -> None:
+        """The whole reply, one byte every TRICKLE_S: each read sees progress, so only a deadline
+        on the whole request ends it early. Bounded by the payload and by `release`."""
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.flush()
+        for k in range(len(payload)):
+            if release.wait(TRICKLE_S):
+                return
+            self.wfile.write(payload[k:k + 1])
+            self.wfile.flush()
 
 
 def _unpack(path: str, body: dict, models: list[str]) -> tuple[str, str, dict]:

@@ -214,7 +214,7 @@ def test_bad_inputs_are_named(problem):
     prepared = backend.prepare(ex)
     hidden = P.hidden(gen, 3)
     weights, ids = P.routing(gen, 3)
-    with pytest.raises(ValueError, match="features"):
+    with pytest.raises(ValueError, match="hidden has 64 columns; the experts take hidden size 128"):
         backend.forward(prepared, hidden[:, :64], weights, ids, SITU)
     with pytest.raises(TypeError, match="ActivationSpec"):
         backend.forward(prepared, hidden, weights, ids, "situ")

@@ -95,12 +95,12 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     """
     if not isinstance(activation, ActivationSpec):
         raise ValueError(f"activation must be an ActivationSpec (silu or situv2), got {activation!r}")
-    check_routing(hidden, topk_weights, topk_ids)
+    E, I = experts.num_experts, experts.intermediate_size
+    # shapes and dtypes always; the ids' range only with KIMI_K3_MOE_CHECK_EXPERT_IDS=on (it syncs)
+    check_routing(hidden, topk_weights, topk_ids, hidden_size=experts.hidden_size, num_experts=E,
+                  expert_map=expert_map)
     T, H = hidden.shape
     k = topk_ids.shape[1]
-    E, I = experts.num_experts, experts.intermediate_size
-    if H != experts.hidden_size:
-        raise ValueError(f"hidden has {H} columns but the experts take hidden size {experts.hidden_size}")
     out = torch.empty_like(hidden)
     if T == 0:
         return out
@@ -125,7 +125,7 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
             cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts)
         chunk_ids = ids[start:stop]
         if cfg1.direct:
-            pairs = direct_pairs(chunk_ids, None, cfg1.BM)
+            pairs = direct_pairs(chunk_ids, None, cfg1.BM, E)
             sid, block_expert, P = pairs.block_expert, pairs.block_expert, pairs.num_pairs * cfg1.BM
         else:
             (pairs,), align = align_launches(chunk_ids, expert_map, E, (cfg1.BM,))

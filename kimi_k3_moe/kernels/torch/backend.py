@@ -64,4 +64,5 @@ class TorchBackend(MoEBackend):
 
         return dense_moe(hidden, lambda e: weights(e)[0], lambda e: weights(e)[1],
                          topk_weights, topk_ids, activation, expert_map,
-                         compute_dtype=self.compute_dtype, act_quant=self.act_quant)
+                         compute_dtype=self.compute_dtype, act_quant=self.act_quant,
+                         num_experts=prepared.num_experts, hidden_size=prepared.hidden_size)

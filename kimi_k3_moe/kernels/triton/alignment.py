@@ -28,9 +28,16 @@ class AlignedPairs:
     num_rows: torch.Tensor      # int32 [1]: rows in use (a multiple of block_m)
     offsets: torch.Tensor       # int32 [E]: first row of each expert
     # path "direct" (direct_pairs): block b is pair b alone; block_expert and local are topk_ids as
-    # given, the kernels apply expert_map themselves; sorted_pairs, num_rows and offsets are unused
+    # given, the kernels apply expert_map and the id bounds themselves (_details/expert_ids.py);
+    # sorted_pairs, num_rows and offsets are unused
     direct: bool = False
     expert_map: torch.Tensor | None = None
+    num_experts: int = 0  # local experts: ids (through the map) outside [0, num_experts) are not here
+
+    @property
+    def num_ids(self) -> int:
+        """Ids in [0, num_ids) can name an expert: the map's length, else the local experts'."""
+        return self.num_experts if self.expert_map is None else self.expert_map.numel()
 
     @property
     def max_rows(self) -> int:
@@ -42,14 +49,15 @@ def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
 
 
-def direct_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, block_m: int) -> AlignedPairs:
+def direct_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, block_m: int,
+                 num_experts: int) -> AlignedPairs:
     """Path "direct": every (token, slot) pair is a block of its own (its one row first, block_m - 1
     padding rows), so nothing is launched to group them. With a few tokens nearly every pair has an
     expert to itself, and grouping cost more launches than it saved."""
     ids = topk_ids.reshape(-1)
     return AlignedPairs(block_m=block_m, num_pairs=ids.numel(), max_blocks=ids.numel(), local=ids,
                         sorted_pairs=ids, block_expert=ids, num_rows=ids, offsets=ids, direct=True,
-                        expert_map=expert_map)
+                        expert_map=expert_map, num_experts=num_experts)
 
 
 def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
@@ -66,10 +74,11 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
     counts, fill = scratch[:num_experts], scratch[num_experts:]
     local = torch.empty(num_pairs, dtype=torch.int32, device=device)
     out = [_aligned_buffers(num_pairs, num_experts, bm, local) for bm in block_ms]
+    num_ids = num_experts if expert_map is None else expert_map.numel()
     a, b = out[0], out[-1]
     two = len(out) == 2
     if num_pairs <= SMALL_PAIRS:
-        return out, [_small_launch(ids, expert_map, local, counts, fill, a, b, two)]
+        return out, [_small_launch(ids, expert_map, num_ids, local, counts, fill, a, b, two)]
     grid = (max(1, cdiv(num_pairs, BLOCK)),)
     launches = [
         Launch(K.align_zero_kernel, (cdiv(scratch.numel(), 1024),),
@@ -79,8 +88,9 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
             ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local,
             counts_ptr=counts, sorted_ptr=a.sorted_pairs, sorted_b_ptr=b.sorted_pairs,
             block_expert_ptr=a.block_expert, block_expert_b_ptr=b.block_expert, num_pairs=num_pairs,
-            max_rows=a.max_rows, max_rows_b=b.max_rows, HAS_MAP=expert_map is not None, TWO=two, BLOCK=BLOCK,
-            BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, PDL=False), num_warps=4, num_stages=1, label="align.count"),
+            max_rows=a.max_rows, max_rows_b=b.max_rows, num_ids=num_ids, num_experts=num_experts,
+            HAS_MAP=expert_map is not None, TWO=two, BLOCK=BLOCK, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m,
+            PDL=False), num_warps=4, num_stages=1, label="align.count"),
         Launch(K.align_offsets_kernel, (1,), dict(
             counts_ptr=counts, offsets_ptr=a.offsets, num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets,
             num_rows_b_ptr=b.num_rows, num_experts=num_experts, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, TWO=two,
@@ -96,14 +106,15 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
     return out, launches
 
 
-def _small_launch(ids, expert_map, local, counts, fill, a: AlignedPairs, b: AlignedPairs, two: bool) -> Launch:
+def _small_launch(ids, expert_map, num_ids, local, counts, fill, a: AlignedPairs, b: AlignedPairs,
+                  two: bool) -> Launch:
     num_experts = a.offsets.numel()
     return Launch(K.align_small_kernel, (1,), dict(
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local, counts_ptr=counts,
         fill_ptr=fill, offsets_ptr=a.offsets, sorted_ptr=a.sorted_pairs, block_expert_ptr=a.block_expert,
         num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets, sorted_b_ptr=b.sorted_pairs,
         block_expert_b_ptr=b.block_expert, num_rows_b_ptr=b.num_rows, num_pairs=ids.numel(), max_rows=a.max_rows,
-        max_rows_b=b.max_rows, num_experts=num_experts, HAS_MAP=expert_map is not None, TWO=two,
+        max_rows_b=b.max_rows, num_ids=num_ids, num_experts=num_experts, HAS_MAP=expert_map is not None, TWO=two,
         BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, BLOCK=max(16, next_pow2(ids.numel())),
         E_POW2=max(16, next_pow2(num_experts)), PDL=False),
         num_warps=SMALL_WARPS, num_stages=1, label="align.small")
@@ -118,4 +129,5 @@ def _aligned_buffers(num_pairs: int, num_experts: int, block_m: int, local: torc
         block_expert=torch.empty(max_blocks, dtype=torch.int32, device=device),
         num_rows=torch.empty(1, dtype=torch.int32, device=device),
         offsets=torch.empty(num_experts, dtype=torch.int32, device=device),
+        num_experts=num_experts,
     )

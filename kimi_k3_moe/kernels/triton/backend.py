@@ -32,7 +32,6 @@ from kimi_k3_moe.reference import check_routing
 
 ENV_INTERPRET = "TRITON_INTERPRET"
 DEFAULT_CHUNK_TOKENS = 16384
-HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def interpreter_on() -> bool:
@@ -166,19 +165,12 @@ class TritonBackend(MoEBackend):
         return out
 
     def _check_inputs(self, prepared, hidden, topk_weights, topk_ids, expert_map):
-        check_routing(hidden, topk_weights, topk_ids)
-        if hidden.dtype not in HIDDEN_DTYPES:
-            raise TypeError(f"hidden must be one of {HIDDEN_DTYPES}, got {hidden.dtype}")
-        if hidden.shape[1] != prepared.hidden_size:
-            raise ValueError(f"hidden has {hidden.shape[1]} features, the experts take {prepared.hidden_size}")
+        check_routing(hidden, topk_weights, topk_ids, hidden_size=prepared.hidden_size,
+                      num_experts=prepared.num_experts, expert_map=expert_map)
         for name, t in (("hidden", hidden), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
                         ("expert_map", expert_map)):
             if t is not None and t.device != prepared.device:
                 raise ValueError(f"{name} is on {t.device}, the experts on {prepared.device}")
-        if not topk_weights.is_floating_point():
-            raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-        if expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"expert_map must be int32 or int64, got {expert_map.dtype}")
         if hidden.stride(-1) != 1:
             hidden = hidden.contiguous()
         return hidden, topk_weights.contiguous(), topk_ids.contiguous(), \

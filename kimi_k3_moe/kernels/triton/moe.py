@@ -33,7 +33,7 @@ def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, o
                                           s2_cfg, config.decode, s2_block_k)]
     bm1, bm2 = config.block_ms
     if config.path == "direct":
-        pairs = pairs2 = direct_pairs(topk_ids, expert_map, bm1)
+        pairs = pairs2 = direct_pairs(topk_ids, expert_map, bm1, experts.num_experts)
         launches = []
     else:  # stage 2 may take row blocks of its own over the same pairs (inter is stored per pair)
         block_ms = (bm1,) if bm2 == bm1 else (bm1, bm2)

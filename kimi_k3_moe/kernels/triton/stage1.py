@@ -47,7 +47,8 @@ def row_tile_args(pairs: AlignedPairs) -> dict:
     main, tail = row_tiles(pairs.block_m)
     emap = pairs.expert_map
     return dict(BLOCK_M=main, TAIL_M=tail, DIRECT=pairs.direct, HAS_MAP=emap is not None,
-                map_ptr=pairs.block_expert if emap is None else emap)
+                map_ptr=pairs.block_expert if emap is None else emap,
+                num_ids=pairs.num_ids, num_local=pairs.num_experts)
 
 
 def weight_args(experts: TritonExperts, which: str, decode: str) -> dict:
@@ -118,6 +119,8 @@ def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Te
                 ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
                 TOPK=topk, HAS_MAP=expert_map is not None,
+                num_ids=experts.num_experts if expert_map is None else expert_map.numel(),
+                num_local=experts.num_experts,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k, PDL=False)
     grid = (num_pairs, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_gemv_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.gemv")

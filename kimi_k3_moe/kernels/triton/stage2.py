@@ -41,6 +41,7 @@ def topk_reduce(y: torch.Tensor, pairs: AlignedPairs, out: torch.Tensor, topk: i
     return Launch(topk_reduce_kernel, (out.shape[0], cdiv(hidden, block)), dict(
         y_ptr=y, stride_ym=y.stride(0), local_ptr=pairs.local, map_ptr=pairs.local if emap is None else emap,
         out_ptr=out, stride_om=out.stride(0), hidden=hidden, TOPK=topk, HAS_MAP=emap is not None,
+        num_ids=pairs.num_ids if pairs.direct else pairs.num_experts, num_local=pairs.num_experts,
         BLOCK_N=block, PDL=False), 4, 1, "stage2.reduce")
 
 
@@ -69,5 +70,7 @@ def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Ten
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
         topk_w_ptr=topk_weights.reshape(-1), hidden=hidden, inter_size=experts.intermediate_size,
         TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
+        num_ids=experts.num_experts if expert_map is None else expert_map.numel(),
+        num_local=experts.num_experts,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, PDL=False),
         cfg.num_warps, cfg.num_stages, "stage2.gemv")]

@@ -7,7 +7,8 @@ Four launches (one, align_small_kernel, for a small batch), no host synchronisat
 (grids are sized by upper bounds):
   zero    clears the per-expert counters (a launch of its own, so a replayed
           CUDA graph starts from zero every time);
-  count   local expert of each pair (expert_map applied, -1 = not on this rank),
+  count   local expert of each pair (expert_map applied, -1 = not on this rank,
+          as is any id outside the range: _details/expert_ids.py),
           per-expert counts (atomics), padding rows of `sorted_pairs` set to
           the sentinel `num_pairs` and every block's expert to -1;
   offsets one program: exclusive prefix sum of the padded counts -> each
@@ -19,6 +20,7 @@ Four launches (one, align_small_kernel, for a small batch), no host synchronisat
 import triton
 import triton.language as tl
 
+from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 
 
@@ -31,7 +33,7 @@ def align_zero_kernel(ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs", "max_rows"])
 def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr, sorted_b_ptr, block_expert_ptr,
-                       block_expert_b_ptr, num_pairs, max_rows, max_rows_b,
+                       block_expert_b_ptr, num_pairs, max_rows, max_rows_b, num_ids, num_experts,
                        HAS_MAP: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_M_B: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
@@ -39,9 +41,7 @@ def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr, sort
     nprog = tl.num_programs(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     valid = offs < num_pairs
-    e = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e, mask=valid & (e >= 0), other=-1).to(tl.int32)
+    e = local_expert(tl.load(ids_ptr + offs, mask=valid, other=-1), map_ptr, num_ids, num_experts, HAS_MAP)
     tl.store(local_ptr + offs, e, mask=valid)
     tl.atomic_add(counts_ptr + e, 1, mask=valid & (e >= 0))
     _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK, BLOCK_M)
@@ -119,7 +119,7 @@ def _place_small(pair, e, slot, ok, counts, x, offsets_ptr, sorted_ptr, block_ex
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b"])
 def align_small_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offsets_ptr, sorted_ptr, block_expert_ptr,
                        num_rows_ptr, offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, num_rows_b_ptr,
-                       num_pairs, max_rows, max_rows_b, num_experts,
+                       num_pairs, max_rows, max_rows_b, num_ids, num_experts,
                        HAS_MAP: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_B: tl.constexpr,
                        BLOCK: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
     """The four launches' work in one program, for at most BLOCK pairs: the launch boundaries
@@ -131,9 +131,7 @@ def align_small_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offset
     tl.store(fill_ptr + x, zeros, mask=x < num_experts)
     pair = tl.arange(0, BLOCK)
     valid = pair < num_pairs
-    e = tl.load(ids_ptr + pair, mask=valid, other=-1).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e, mask=valid & (e >= 0), other=-1).to(tl.int32)
+    e = local_expert(tl.load(ids_ptr + pair, mask=valid, other=-1), map_ptr, num_ids, num_experts, HAS_MAP)
     tl.store(local_ptr + pair, e, mask=valid)
     ok = valid & (e >= 0)
     _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, 0, BLOCK, BLOCK, BLOCK_M)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import decode_weight_raw, load_weight_raw
+from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 from kimi_k3_moe.kernels.triton._details.pdl import let_next_start, wait_for_previous
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
@@ -67,7 +68,7 @@ def stage1_gemv_kernel(
     inter_ptr, stride_im,
     ids_ptr, map_ptr,
     inter_size, hidden: tl.constexpr,
-    beta, linear_beta,
+    beta, linear_beta, num_ids, num_local,
     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     ACT: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     OUT_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -80,9 +81,7 @@ def stage1_gemv_kernel(
     let_next_start(PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(ids_ptr + pair).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e).to(tl.int32)
+    e = local_expert(tl.load(ids_ptr + pair), map_ptr, num_ids, num_local, HAS_MAP)
     if e < 0:
         return  # expert on another rank: stage 2 skips this slot too
     e64 = e.to(tl.int64)
@@ -117,7 +116,7 @@ def stage2_gemv_kernel(
     o_ptr,
     out_ptr, stride_om,
     ids_ptr, map_ptr, topk_w_ptr,
-    hidden, inter_size: tl.constexpr,
+    hidden, inter_size: tl.constexpr, num_ids, num_local,
     TOPK: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -138,13 +137,13 @@ def stage2_gemv_kernel(
         wait_for_previous(PDL)
         _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
                                  o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden, inter_size, t,
-                                 pid_n, TOPK, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+                                 pid_n, num_ids, num_local, TOPK, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
         return
     r = tl.arange(0, SLOTS * BLOCK_N)
     slot = r // BLOCK_N
     n = pid_n * BLOCK_N + r % BLOCK_N
     pair = t * TOPK + slot
-    e = tl.load(ids_ptr + pair, mask=slot < TOPK, other=-1).to(tl.int32)
+    e = local_expert(tl.load(ids_ptr + pair, mask=slot < TOPK, other=-1), map_ptr, num_ids, num_local, False)
     here = (e >= 0) & (n < hidden)
     e64 = tl.maximum(e, 0).to(tl.int64)
     w_rows = w_ptr + e64[:, None] * stride_we + n[:, None].to(tl.int64) * stride_wn
@@ -165,7 +164,8 @@ def stage2_gemv_kernel(
 @triton.jit
 def _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
                              o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden,
-                             inter_size: tl.constexpr, t, pid_n, TOPK: tl.constexpr, FMT: tl.constexpr,
+                             inter_size: tl.constexpr, t, pid_n, num_ids, num_local, TOPK: tl.constexpr,
+                             FMT: tl.constexpr,
                              HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
     """stage2_gemv_kernel with an expert map: the token's slots in order, fp32, those of other ranks skipped."""
@@ -175,8 +175,7 @@ def _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, 
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in range(TOPK):
         pair = t * TOPK + slot
-        gid = tl.load(ids_ptr + pair).to(tl.int32)
-        e = tl.where(gid >= 0, tl.load(map_ptr + tl.maximum(gid, 0)).to(tl.int32), -1)
+        e = local_expert(tl.load(ids_ptr + pair), map_ptr, num_ids, num_local, True)
         if e >= 0:
             e64 = e.to(tl.int64)
             w_rows = w_ptr + e64 * stride_we + n[:, None].to(tl.int64) * stride_wn

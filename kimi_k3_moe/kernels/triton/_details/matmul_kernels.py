@@ -24,6 +24,7 @@ from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import (load_weight_pairs, load_weight_tile, load_weight_words,
                                                         pair_order, to_pair_order, word_k_offsets)
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
+from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
@@ -254,24 +255,21 @@ def _direct_tile(pid_m, num_pairs, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _local_expert(ids_ptr, map_ptr, i, HAS_MAP: tl.constexpr):
-    """The local expert of pair i (topk_ids through expert_map; -1: not on this rank)."""
-    e = tl.load(ids_ptr + i).to(tl.int32)
-    if HAS_MAP:
-        e = tl.where(e >= 0, tl.load(map_ptr + tl.maximum(e, 0)).to(tl.int32), -1)
-    return e
+def _local_expert(ids_ptr, map_ptr, i, num_ids, num_local, HAS_MAP: tl.constexpr):
+    """The local expert of pair i (topk_ids through expert_map; -1: not on this rank, or out of range)."""
+    return local_expert(tl.load(ids_ptr + i), map_ptr, num_ids, num_local, HAS_MAP)
 
 
 @triton.jit
-def _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr, num_pairs, DIRECT: tl.constexpr,
-               HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
+def _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr, num_pairs, num_ids, num_local,
+               DIRECT: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
     """Row block pid_m: (whether it holds rows, its expert (int64), the main tile's pairs and real-row
     mask, the tail tile's (the main ones when TAIL_M is 0)). DIRECT: block pid_m is pair pid_m (path
     "direct"), its expert read from topk_ids (block_expert_ptr) through the expert map; it holds rows
     when that expert is on this rank."""
     if DIRECT:
         tl.static_assert(TAIL_M == 0, "a direct block is one pair")
-        e = _local_expert(block_expert_ptr, map_ptr, pid_m, HAS_MAP)
+        e = _local_expert(block_expert_ptr, map_ptr, pid_m, num_ids, num_local, HAS_MAP)
         live = e >= 0
         pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
         pair_t, row_ok_t = pair, row_ok
@@ -312,7 +310,7 @@ def stage1_aligned_kernel(
     o_ptr,
     inter_ptr, stride_im,
     sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
-    num_pairs, inter_size, hidden: tl.constexpr,
+    num_pairs, num_ids, num_local, inter_size, hidden: tl.constexpr,
     beta, linear_beta,
     TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
     DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
@@ -332,7 +330,8 @@ def stage1_aligned_kernel(
     enter(PDL)
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
     live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
-                                                         num_pairs, DIRECT, HAS_MAP, BLOCK_M, TAIL_M)
+                                                         num_pairs, num_ids, num_local, DIRECT, HAS_MAP,
+                                                         BLOCK_M, TAIL_M)
     if not live:
         return
     x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
@@ -453,7 +452,7 @@ def stage2_aligned_kernel(
     y_ptr, stride_ym,
     topk_w_ptr,
     sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
-    num_pairs, hidden, inter_size: tl.constexpr,
+    num_pairs, num_ids, num_local, hidden, inter_size: tl.constexpr,
     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
     INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -472,7 +471,8 @@ def stage2_aligned_kernel(
     enter(PDL)
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
     live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
-                                                         num_pairs, DIRECT, HAS_MAP, BLOCK_M, TAIL_M)
+                                                         num_pairs, num_ids, num_local, DIRECT, HAS_MAP,
+                                                         BLOCK_M, TAIL_M)
     if not live:
         return
     ka = word_k_offsets(BLOCK_K)
@@ -508,7 +508,7 @@ def stage2_aligned_kernel(
 
 
 @triton.jit
-def topk_reduce_kernel(y_ptr, stride_ym, local_ptr, map_ptr, out_ptr, stride_om, hidden,
+def topk_reduce_kernel(y_ptr, stride_ym, local_ptr, map_ptr, out_ptr, stride_om, hidden, num_ids, num_local,
                        TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum over slots s (in slot order, fp32) of y[t*TOPK + s]; absent slots add nothing.
     local: each pair's local expert (-1: not on this rank), or its global one through map (HAS_MAP)."""
@@ -518,7 +518,7 @@ def topk_reduce_kernel(y_ptr, stride_ym, local_ptr, map_ptr, out_ptr, stride_om,
     mask = offs < hidden
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for s in tl.static_range(TOPK):
-        e = _local_expert(local_ptr, map_ptr, t * TOPK + s, HAS_MAP)
+        e = _local_expert(local_ptr, map_ptr, t * TOPK + s, num_ids, num_local, HAS_MAP)
         v = tl.load(y_ptr + (t * TOPK + s) * stride_ym + offs, mask=mask & ((offs * 0 + e) >= 0), other=0.0)
         acc += v.to(tl.float32)
     tl.store(out_ptr + t * stride_om + offs, cast_to(acc, out_ptr.dtype.element_ty), mask=mask)
