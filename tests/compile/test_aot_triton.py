@@ -12,7 +12,7 @@ there are recorded and printed, not failed.
 
 Each (kernel, constexprs, warps, stages) compiles once per target, in worker
 processes (an LLVM abort takes down a worker, not the suite). The report lands
-in build/aot_triton_report.json and docs/TRITON.md quotes it.
+in build/aot_triton_report.json (and build/aot_triton_report_<triton>.json for the sm_90 reruns).
 """
 from __future__ import annotations
 
@@ -259,7 +259,7 @@ def test_the_many_tile_stage_2_runs_two_blocks_per_sm_under_the_tables_triton():
 
 
 def test_the_resource_tool_reports_a_table_entrys_stage_kernels(tmp_path):
-    """benchmarks/triton_resources.py (what docs/TRITON.md's blocks-per-SM table came from) compiles a
+    """benchmarks/triton_resources.py (docs/PERF.md, "Compiled resources") compiles a
     table entry's two stage kernels and reports registers, shared memory and blocks per SM."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
