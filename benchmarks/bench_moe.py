@@ -7,7 +7,7 @@ against the float reference before it is timed). This keeps the old flags:
     python benchmarks/bench_moe.py [--tokens 1,4,16,64,256,1024,4096,16384] [--peer-path .peer]
     python benchmarks/bench_moe.py --formats mxfp4,int4 --peers humming,triton_kernels
 
-Humming runs where `humming-kernels` is importable (see gpu_bench.sh).
+Humming runs where `humming-kernels` is importable (`pip install humming-kernels` on the GPU box).
 """
 from __future__ import annotations
 

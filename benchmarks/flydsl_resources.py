@@ -1,4 +1,5 @@
-"""Write the FlyDSL section of docs/PERF.md: registers, LDS, scratch and occupancy per kernel.
+"""Write the FlyDSL section of docs/PERF.md (or of --write FILE; `make test-flydsl` writes
+out/flydsl/PERF_section.md): registers, LDS, scratch and occupancy per kernel.
 
 These figures come from the compiled code objects' metadata (compiled on a CPU
 machine, COMPILE_ONLY); no kernel ran, so there are no timings here.

@@ -1,8 +1,8 @@
 """Registers, spills, shared memory and blocks per SM of the Triton stage kernels, no GPU needed.
 
 Compiles each config's stage launches ahead of time (kernels/triton/aot.py) for one target and
-prints a table; the configs are a device table's tiers or a candidates file in
-`benchmarks/pair_variants.py --configs` form. Run it under the Triton the configs will run with
+prints a table; the configs are a device table's tiers or a candidates file
+(`--configs`: JSON {tokens: {name: MoEConfig json}}). Run it under the Triton the configs will run with
 (the H200 table's `tuned_with.triton`: `PYTHONPATH=.triton-3.6.0`, which `make test-compile-triton`
 installs): register allocation moves between Triton releases.
 

@@ -1,7 +1,7 @@
 """The engine-agnostic core of the plugins' MoE method.
 
-vLLM and SGLang adapters own their engines' calling conventions (through
-`plugin_entrypoints.common.EngineLayer`); this object owns the rest: picking a
+vLLM and SGLang adapters own their engines' calling conventions (the
+method classes in `plugin_entrypoints/_vllm_method.py` and `_sglang_method.py`); this object owns the rest: picking a
 backend for the platform, self-checking it on a slice of the real weights,
 converting the layer's experts, and running them (`loading.load_backend`).
 """

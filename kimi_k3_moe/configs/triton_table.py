@@ -6,8 +6,8 @@ benchmarks/tune_triton.py) maps (weight format, shape E/N/K, token tier) to a
 
     tier = the smallest tuned tier >= T, or the largest tier when T exceeds all
 
-so a tuned shape never falls to the heuristic at some token count (K3_FACTS
-defect class 6). Shapes or devices without an entry get `heuristic_config`,
+so a tuned shape never falls to the heuristic at some token count (a token count between
+two tiers, or above the last, once served an untuned config). Shapes or devices without an entry get `heuristic_config`,
 which is valid for every T too. Plain Python: importing this needs no triton.
 """
 from __future__ import annotations

@@ -22,8 +22,7 @@ GROUP_SIZE = 32
 SYMMETRIC_MAX = 7
 METHODS = ("amax", "search", "asym")
 OFFSET_METHODS = ("asym",)
-# "search" wins the fidelity benchmark (benchmarks/requant_fidelity.py,
-# docs/FORMATS.md) and keeps the symmetric layout the kernels already read.
+# "search" has the lowest requantisation error (docs/FORMATS.md, Fidelity) and keeps the symmetric layout the kernels already read.
 DEFAULT_METHOD = "search"
 _DEFAULT_CHUNK_BYTES = 256 << 20
 # Peak scratch bytes per group of 32 while converting a chunk: measured on

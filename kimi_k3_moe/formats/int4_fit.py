@@ -52,7 +52,7 @@ CODE_BIN = tuple(ZERO_BIN + c if c < 8 else ZERO_BIN - (c - 8) for c in range(16
 # element, which pays when the rest fit a finer grid. On MXFP4-quantised
 # Gaussian, Student-t and Laplace weights, exhaustive searches over every
 # bf16 scale in [m/16, m/4] pick d in [5.9, 8.8]; this grid comes within
-# 0.15 points of their error reduction (benchmarks/requant_fidelity.py).
+# 0.15 points of their error reduction (docs/FORMATS.md, Fidelity).
 SYM_DIVISORS = tuple(5.875 + k / 8 for k in range(26))
 POW2_EXPONENTS = tuple(range(-5, 2))  # 2^-5 .. 2^1, kept where within [m/16, m/4]
 # Asymmetric candidates: 15 steps spanning r/d of the range r = hi - lo, the

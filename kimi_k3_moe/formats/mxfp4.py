@@ -122,7 +122,8 @@ def _require_uint8(t: torch.Tensor, name: str) -> None:
 def scale_shape_2d(shape: tuple[int, ...], name: str) -> tuple[int, int]:
     """The [N, K/32] shape a checkpoint scale of `shape` stands for, or ValueError naming it.
 
-    Exports store scales 2-D, or 4-D as [N, 1, K/32, 1] (K3_FACTS section 3);
+    Exports store scales 2-D, or 4-D as [N, 1, K/32, 1] (the layouts seen in
+    real Kimi-K3 exports);
     no other 4-D layout is known from a real export, and slicing one plane
     out of an unknown layout would serve wrong scales without a word.
     """

@@ -209,23 +209,3 @@ def test_a_full_tune_tries_the_many_tile_stage_2_at_4096_plus():
                 assert (ts.kc(t), ts.SPLIT_STAGE2_BLOCK_M) in got, t
                 assert ((ts.kc(t), None) in got) == (bm * 384 * 2 <= ts.TILES_X_BYTES), (bm, t)
     assert {ts.kc(t).plain_inter for t in ts.TAIL_S2_TILES} == {False, True}
-
-
-def test_pair_variants_times_the_many_tile_stage_2_beside_the_large_entries():
-    """What benchmarks/pair_variants.py times at 4096+: the table's entry with each TAIL_S2_TILES tile
-    on its stage-1 blocks and on 128-row blocks, every candidate valid for TP8 and TP16."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import pair_variants
-
-    from kimi_k3_moe.kernels.triton import tuning_space as ts
-    table = tt.load_table("nvidia_h200")
-    for inter in (384, 192):
-        for tokens in (4096, 16384):
-            base = tt.lookup("nvidia_h200", "mxfp4", 896, 3584, inter, tokens, is_cuda=True, table=table).config
-            got = pair_variants.candidates(base, tokens, inter=inter)
-            assert len(got) >= len(ts.TAIL_S2_TILES)
-            assert all(c.stage2.n_tiles == 28 and c.stage2.swap for c in got.values())
-            assert {c.stage2_block_m for c in got.values()} <= {None, ts.SPLIT_STAGE2_BLOCK_M}
-            assert all(c.validate(3584, inter) == c for c in got.values())

@@ -170,7 +170,7 @@ def test_the_packaged_config_keeps_its_label_when_a_variant_equals_it(seed, monk
 
 
 def test_small_tiers_try_the_best_aligned_tiles_with_pdl_toggled(seed):
-    """The H200's aligned entries at 4-64 tokens won with pdl (pair_variants runs): the tuner must be
+    """The H200's aligned entries at 4-64 tokens won with pdl when timed on the H200: the tuner must be
     able to find them, so its round 2 tries the best stage 1 + best stage 2 both ways."""
     target = make_target(seed)
     target.is_cuda = True  # pdl survives for_target (no GPU is run: candidates only)

@@ -6,8 +6,8 @@ kernels are loaded when the backend first prepares or runs experts.
 Activations are bf16 only (docs/ACT_DTYPE.md). The fp8 (e4m3 x e4m3) kernels this
 backend had on sm_89/sm_90+ were 1.03-1.69x slower than bf16 on the H200 at every
 token count, and the bf16 kernels are not bound by the matrix unit, so a faster
-MMA could not pay for the quantization; they were removed (docs/PERF.md, "fp8
-activations in the Triton backend"; the code is in git before that commit).
+MMA could not pay for the quantization; they were removed (the measurements: `git show 5f27697:docs/PERF.md`,
+"fp8 activations in the Triton backend"; the code is in git before that commit).
 """
 from __future__ import annotations
 

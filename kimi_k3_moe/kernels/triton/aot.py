@@ -33,7 +33,8 @@ TARGETS = {
 def blocks_per_sm(target: str, registers: int, num_warps: int, shared: int) -> int | None:
     """How many blocks of a kernel one SM runs at once (None off NVIDIA: AMD's waves per SIMD
     follow other rules, kernels/flydsl/artifacts.py). Two or more let one block's decode and
-    stores run beside another's MMAs; the H200's large-batch stage 2 held one (2026-12-03)."""
+    stores run beside another's MMAs; a large-batch stage 2 that holds one per SM on the H200 leaves
+    its tensor cores idle during the decode."""
     lim = platform.SM_LIMITS.get(target)
     if lim is None:
         return None

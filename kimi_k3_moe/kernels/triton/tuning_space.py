@@ -19,7 +19,7 @@ ACT = ActivationSpec.situv2(4.0, 25.0)
 GEMV_MAX_TOKENS = 16
 
 # (block_n, block_k, num_warps, num_stages[, order[, n_tiles]]), order True: interleave, False: word dots,
-# PAIRS: one dot per K step on the pair order; STACKED: the same on one stacked gate/up tile (the H200's winners at 16-256 tokens, 2026-12-01;
+# PAIRS: one dot per K step on the pair order; STACKED: the same on one stacked gate/up tile (the H200's winners at 16-256 tokens;
 # block_k 256 is faster still under Triton 3.6, the H200 table's; it spills under 3.9). The GEMV path does its own
 # one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
 GEMV_S1 = [(16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 512, 4, 1)]
@@ -29,7 +29,7 @@ PAIRS = "pairs"
 STACKED = "stacked"  # pairs, gate and up rows in one tile (H200 winners at 16-64 tokens MXFP4, 4096+ int4)
 PLAIN_INTER = "plain-inter"  # pairs on several N tiles, inter read in plain order (KernelConfig.plain_inter)
 ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (32, 128, 4, 3, STACKED), (64, 128, 8, 3, STACKED), (64, 256, 4, 3, PAIRS),
-              # the H200's winners at 4096+ on tail blocks (2026-12-02): MXFP4 the first, int4 the second
+              # the H200's winners at 4096+ on tail blocks: MXFP4 the first, int4 the second
               (64, 64, 8, 3, STACKED), (64, 64, 4, 3, STACKED),
               (64, 256, 4, 3, False), (128, 64, 8, 4, True), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
               (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
@@ -39,21 +39,21 @@ ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PA
               (256, 128, 8, 3, True), (256, 64, 8, 3, True),  # 4096+ on 128-row blocks, not swapped
               (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
               (128, 128, 8, 3, True), (128, 128, 4, 4, False), (64, 128, 4, 3, False)]
-# stage 2 with several N tiles per program (KernelConfig.n_tiles; the H200's winners at 4-1024 tokens,
-# 2026-12-01), tried up to TILES_MAX_TOKENS: above, the 128-row blocks measured slower with it
+# stage 2 with several N tiles per program (KernelConfig.n_tiles; the H200's winners at 4-1024 tokens),
+# tried up to TILES_MAX_TOKENS: above, the 128-row blocks measured slower with it
 ALIGNED_S2_TILES = [(64, 128, 4, 3, PAIRS, 8), (64, 128, 4, 3, PAIRS, 14), (64, 64, 4, 2, PAIRS, 4),
                     (128, 128, 4, 2, False, 4)]
 TILES_MAX_TOKENS = 1024
 # the direct path (one pair per 16-row block, no alignment launches) at the GEMV tiers, with
-# programmatic dependent launch; the H200's winners at 1-16 tokens (2026-12-02) first
+# programmatic dependent launch; the H200's winners at 1-16 tokens first
 DIRECT_S1 = [(32, 256, 4, 3, STACKED), (64, 256, 4, 3, PAIRS), (32, 128, 4, 4, STACKED)]
 DIRECT_S2 = [(64, 128, 4, 3, PAIRS, 2), (64, 64, 4, 2, PAIRS, 4), (64, 128, 4, 3, PAIRS)]
 # up to here the aligned path's best tiles are also tried with pdl toggled (the H200's aligned entries
-# at 4-64 tokens took it, 2026-12-02; at EP16 it measured slower); a GPU without it gets the same
+# at 4-64 tokens took it; at EP16 it measured slower); a GPU without it gets the same
 # config back (MoEConfig.for_target), tried once
 PDL_MAX_TOKENS = 64
 # the activations a pair-order stage 2 with n_tiles > 1 keeps for all its tiles (block_m x I bf16):
-# Triton 3.6 holds them in shared memory (sm_90 SASS: LDGSTS, 2026-12-03), so TP8's 128- and 160-row
+# Triton 3.6 holds them in shared memory (sm_90 SASS: LDGSTS), so TP8's 128- and 160-row
 # blocks (96 / 120 KB) fit beside the weight stages and EP16's I = 3072 (192 KB at 32 rows) does not
 TILES_X_BYTES = 128 * 1024
 REGISTER_MARGIN = 250  # configs using more are treated as spilling (see tune_entry)
@@ -64,7 +64,7 @@ QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the fi
 # these tiers, where a TP8 or EP16 expert holds ~73 (4096) or ~292 (16384) rows; stage 2 is tried
 # on them (swapped) and on blocks of SPLIT_STAGE2_BLOCK_M rows of its own (MoEConfig.stage2_block_m)
 TAIL_BLOCKS = {4096: (96,), 16384: (160, 192)}
-# the tiles that won on tail blocks on the H200 (2026-12-02): stage 1 MXFP4 (64, 64, 8 warps) and int4
+# the tiles that win on tail blocks on the H200: stage 1 MXFP4 (64, 64, 8 warps) and int4
 # (4 warps), 64 x 128 at 16384; stage 2 not swapped 256 x 128 and 256 x 64 on its own 128-row blocks
 TAIL_S1_WINNERS = [(64, 64, 8, 3, STACKED), (64, 64, 4, 3, STACKED), (64, 128, 8, 3, STACKED)]
 TAIL_S2_WINNERS = [(256, 128, 8, 3, True), (256, 64, 8, 3, True)]
@@ -72,7 +72,7 @@ SPLIT_STAGE2_BLOCK_M = 128
 # stage 2 swapped (weights the register operand, so its wgmmas chain) on 28 N tiles of 64 per
 # program, the row block's activations loaded once into shared memory for all of them: the H200's
 # winners at 4096 (on the tail blocks, 3 stages) and 16384 (on 128-row blocks of its own, 2 stages),
-# 2026-12-03, stage 2 1003 -> 663 and 3194 -> 2333 us (docs/TRITON.md); an SM runs two blocks of
+# where they cut stage 2 by 27-34 % against the previous entries (docs/TRITON.md); an SM runs two blocks of
 # each. Tried on both kinds of block, inter in pair order and read plainly (PLAIN_INTER).
 TAIL_S2_TILES = [(64, 128, 4, 3, PAIRS, 28), (64, 128, 4, 2, PAIRS, 28),
                  (64, 128, 4, 3, PLAIN_INTER, 28), (64, 128, 4, 2, PLAIN_INTER, 28)]

@@ -17,7 +17,8 @@ def _sigmoid(z):
 
 @triton.jit
 def _tanh(z):
-    # tanh(z) = 2*sigmoid(2z) - 1 saturates correctly at both ends (K3_FACTS 2).
+    # tanh(z) = 2*sigmoid(2z) - 1 saturates correctly at both ends: sigmoid
+    # of a large |2z| is exactly 0 or 1 in fp32, where exp-based tanh forms overflow to inf/inf = nan.
     return 2.0 * _sigmoid(2.0 * z) - 1.0
 
 

@@ -47,7 +47,8 @@ def _fma_k_loop(acc, w_rows, s_rows, o_rows, w_mask, x_words, x_mask, K: tl.cons
     pipeliner leaves them alone); the step after the last re-reads the last tile (an L2 hit)
     instead of masking. PDL: x is the output of the launch before this one, which may still be
     running: the first step's weights are requested before waiting for it (they never depend on it).
-    (Issuing all of K's loads at once instead was no faster on the H200, 2026-12-02: docs/PERF.md.)"""
+    (Issuing all of K's loads at once instead was no faster on the H200: the one-step prefetch is
+    the simpler of two equal options.)"""
     w, s, o = load_weight_raw(w_rows, s_rows, o_rows, 0, w_mask, FMT, HAS_OFFSETS, BLOCK_K)
     wait_for_previous(PDL)
     for k0 in range(0, K, BLOCK_K):
