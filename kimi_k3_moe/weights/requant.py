@@ -3,7 +3,7 @@
 A real layer is ~2 GB per rank and a model has 92 of them, so conversion
 runs on the GPU when there is one, a chunk of rows at a time, with a
 progress bar; its scratch memory stays within two chunks whatever the layer
-size (`benchmarks/requant_load.py` measures it, tests check it on the CPU).
+size (tests check it on the CPU).
 """
 from __future__ import annotations
 
