@@ -55,3 +55,15 @@ def tables(tmp_path, monkeypatch):
     user_tables.clear_cache()
     yield tmp_path
     user_tables.clear_cache()
+
+
+@pytest.fixture
+def gsm8k(capsys):
+    """`kimi-k3-moe gsm8k ...` in this process: (exit code, stdout, stderr)."""
+    from kimi_k3_moe import cli
+
+    def run(args: list[str]) -> tuple[int, str, str]:
+        code = cli.main(args)
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run

@@ -17,11 +17,10 @@ import re
 import signal
 import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from vllm_health import wait_healthy
 
 from k3_e2e import HERE, PLUGIN, REFERENCE, SHIM, VLLM_PYTHON
 
@@ -143,21 +142,6 @@ def _server_args(model: Path, port: int) -> list[str]:
             "--no-enable-prefix-caching", "--limit-mm-per-prompt", '{"image": 0}', "--seed", "0"]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, limit_s: float = LAUNCH_LIMIT_S) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise AssertionError(f"vLLM not healthy after {limit_s} s:\n{log.read_text()[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def servers(vllm_python, vllm_env, k3_model, tmp_path_factory, session_seed):
     """Two OpenAI servers started together, each bound to its own core: the tiny K3 with the
@@ -181,7 +165,7 @@ def servers(vllm_python, vllm_env, k3_model, tmp_path_factory, session_seed):
 @pytest.fixture(scope="module")
 def k3_server(servers):
     proc, log, url = servers["good"]
-    _wait_healthy(url, proc, log)
+    wait_healthy(url, proc, log, LAUNCH_LIMIT_S)
     return url, log
 
 
@@ -220,15 +204,3 @@ def test_server_refuses_betas_the_plugin_refuses(servers):
         "kimi-k3-moe (vLLM MoE layer): activation <MoEActivation.SITU: 'situ'> with activation_situ_beta=-4.0, "
         "activation_situ_linear_beta=25.0: beta (activation_situ_beta) must be finite and > 0, got -4.0")
     assert not SERVING_LINE.search(text)
-
-
-@pytest.fixture
-def gsm8k(capsys):
-    """`kimi-k3-moe gsm8k ...` in this process: (exit code, stdout, stderr)."""
-    from kimi_k3_moe import cli
-
-    def run(args: list[str]) -> tuple[int, str, str]:
-        code = cli.main(args)
-        out, err = capsys.readouterr()
-        return code, out, err
-    return run

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from kimi_k3_moe import cli
 from .answer_server import AnswerServer
 from .synthetic import assign_replies, write_gsm8k
 
@@ -47,13 +46,3 @@ def world(tmp_path, seed):
         yield World(str(tmp_path / "gsm8k"), train, test, key, server, str(tmp_path / "out" / "report.json"))
     finally:
         server.close()
-
-
-@pytest.fixture
-def gsm8k(capsys):
-    """Run `kimi-k3-moe gsm8k ...` in this process: (exit code, stdout, stderr)."""
-    def run(args: list[str]) -> tuple[int, str, str]:
-        code = cli.main(args)
-        out, err = capsys.readouterr()
-        return code, out, err
-    return run

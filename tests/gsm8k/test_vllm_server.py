@@ -14,11 +14,9 @@ import os
 import random
 import socket
 import subprocess
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
+from vllm_health import wait_healthy
 
 from kimi_k3_moe.gsm8k.data import load_gsm8k
 from kimi_k3_moe.gsm8k.protocols import PROTOCOLS, build_prompts
@@ -59,21 +57,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, limit_s: float = 900) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise AssertionError(f"vLLM not healthy after {limit_s} s:\n{log.read_text()[-4000:]}")
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
@@ -91,7 +74,7 @@ def vllm_server(tmp_path_factory):
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, log)
+        wait_healthy(url, proc, log, 900)
         yield url
     finally:
         proc.terminate()
