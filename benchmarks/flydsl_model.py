@@ -123,9 +123,17 @@ def our_configs(arch: str, tokens: int):
                                activation=K3_SITU, direct_experts=E, table=tiles.default_table())
 
 
-def mfma_per_wave(arch: str, bm: int, cols: int, k: int, waves: int) -> int:
-    """MFMAs one wave issues for a BM x cols x k workgroup tile split over `waves` waves."""
-    return bm * cols * k // (16 * 16 * MFMA_K[arch] * waves)
+def mfma_per_wave(arch: str, bm: int, cols: int, k: int, waves: int, int4_tiles: int = 0) -> int:
+    """MFMAs one wave issues for a BM x cols x k workgroup tile split over `waves` waves. Our int4
+    kernels issue one more MFMA chain per 32-group and row tile (the -136 sum of the activations)
+    beside their `int4_tiles` weight tiles per wave."""
+    plain = bm * cols * k // (16 * 16 * MFMA_K[arch] * waves)
+    return plain * (int4_tiles + 1) // int4_tiles if int4_tiles else plain
+
+
+def int4_tiles(cfg) -> int:
+    """Weight tiles per wave of an int4 kernel (gate and up on stage 1), 0 for MXFP4."""
+    return cfg.n_rep * (2 if cfg.stage == 1 else 1) if cfg.weight_format == "int4" else 0
 
 
 def our_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
@@ -140,10 +148,10 @@ def our_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
     return [
         Launch("stage 1", k1, math.ceil(blocks * (I // s1.BN)),
                d * weight_bytes(fmt, 2 * I, H) + tokens * H * 2 + rows * I * 2 + rows * 4,
-               mfma_per_wave(arch, s1.BM, 2 * s1.BN, H, s1.waves)),
+               mfma_per_wave(arch, s1.BM, 2 * s1.BN, H, s1.waves, int4_tiles(s1))),
         Launch("stage 2", k2, math.ceil(blocks * (H // s2.BN)),
                d * weight_bytes(fmt, H, I) + rows * I * 2 + tokens * TOP_K * H * 2 + rows * 4,
-               mfma_per_wave(arch, s2.BM, s2.BN, I // s2.split_k, s2.waves)),
+               mfma_per_wave(arch, s2.BM, s2.BN, I // s2.split_k, s2.waves, int4_tiles(s2))),
     ]
 
 

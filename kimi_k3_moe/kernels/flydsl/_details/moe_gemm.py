@@ -458,6 +458,18 @@ def build(cfg: KernelConfig):
         _end_tile(cfg)
         return accs
 
+    def load_and_compute_iteration(ops, accs, it, g, r):
+        """Without prefetch: the staged tile first (loaded, stored, barrier), then each block's loads
+        right before its MFMAs, so no block's weights stay live across the barrier."""
+        rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high = ops[:10]
+        kb0 = (fx.Int32(fx.block_idx.z) * iters + it) * U
+        _store_tile(cfg, lds, plan, _load_tile(cfg, ra, plan, kb0))
+        for u in range(U):
+            block = _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb0 + u, g)
+            accs = _compute_block(cfg, accs, block, lds, u, g, r, high)
+        _end_tile(cfg)
+        return accs
+
     # With cfg.prefetch the K loop is software-pipelined: iteration it+1's loads are issued before
     # iteration it's MFMAs (carried in registers), so the MFMAs never wait for the block being
     # fetched; the last iteration is peeled. Without it each iteration loads, then computes.
@@ -471,7 +483,7 @@ def build(cfg: KernelConfig):
         if cfg.prefetch:
             nxt = load_iteration(ops, it + 1, g)
             return compute_iteration(ops, accs, carried, g, r), nxt
-        return compute_iteration(ops, accs, load_iteration(ops, it, g), g, r), carried
+        return load_and_compute_iteration(ops, accs, it, g, r), carried
 
     def k_finish(ops, accs, carried, g, r):
         return compute_iteration(ops, accs, carried, g, r) if cfg.prefetch else accs
