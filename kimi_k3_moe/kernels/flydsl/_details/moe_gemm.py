@@ -109,6 +109,17 @@ def _store_tile(cfg, lds, plan, chunks):
     gpu.barrier()
 
 
+def _stage_tile(cfg, ra, lds, plan, kb0):
+    """Without prefetch: each chunk stored as it arrives (one live at a time; loading the whole share
+    first spilled gfx942's int4 BM32 kernels), then the barrier."""
+    if not cfg.a_lds:
+        return
+    for entry in plan:
+        fx.ptr_store(_load_tile(cfg, ra, [entry], kb0)[0],
+                     fx.add_offset(lds, L.lds_byte_offset(entry[1], entry[2] * 8, cfg.kb_unroll) >> 2))
+    gpu.barrier()
+
+
 def _end_tile(cfg):
     if cfg.a_lds:
         gpu.barrier()   # the next round's copy must not overwrite a tile still being read
@@ -116,13 +127,14 @@ def _end_tile(cfg):
 
 def _load_weights(cfg, rw, rs, ro, w_rows, kb, g):
     """Per weight row: its 16-byte code chunk; MXFP4: the chunk's scale byte (group 4kb + g);
-    int4: the row's 4 bf16 scales (and offsets) of the block, one 8-byte load each. Scales stay raw."""
+    int4: the row's 4 scales (f32) and offsets (bf16) of the block, one 8-byte load each. MXFP4 scales
+    stay raw (the conversion waits for the load, so it runs where the scale is used: prefetch)."""
     words, scales, offsets = [], [], []
     for row in w_rows:
         if cfg.weight_format == INT4:
             words.append(D.load_v4i32(rw, L.w_byte_offset(row, kb, g, cfg.K)))
             qi = L.int4_group_quad_index(row, kb, cfg.K)
-            scales.append(D.load_bf16x4(rs, qi))        # converted at use (see _compute_block)
+            scales.append(D.bf16x4_f32(D.load_bf16x4(rs, qi)))
             offsets.append(D.load_bf16x4(ro, qi) if cfg.has_offsets else None)
             continue
         gi = L.group_index(row, kb, g, cfg.K)
@@ -239,7 +251,7 @@ def _compute_block(cfg, accs, loaded, lds, u, g, r, high):
             load_x = lambda mi, G: _int4_lds_activation(cfg, lds, mi, u, g, r, G)  # noqa: E731
         else:
             load_x = lambda mi, G: fx.Vector(rest[mi * 4 + G]).bitcast(fx.BFloat16)  # noqa: E731
-        return _int4_block(cfg, accs, words, [D.bf16x4_f32(sc) for sc in scales], offsets, load_x, high)
+        return _int4_block(cfg, accs, words, scales, offsets, load_x, high)
     if cfg.a_lds:
         xs = _lds_activations(cfg, lds, u, g, r)
     else:
@@ -463,7 +475,7 @@ def build(cfg: KernelConfig):
         right before its MFMAs, so no block's weights stay live across the barrier."""
         rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high = ops[:10]
         kb0 = (fx.Int32(fx.block_idx.z) * iters + it) * U
-        _store_tile(cfg, lds, plan, _load_tile(cfg, ra, plan, kb0))
+        _stage_tile(cfg, ra, lds, plan, kb0)
         for u in range(U):
             block = _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb0 + u, g)
             accs = _compute_block(cfg, accs, block, lds, u, g, r, high)
