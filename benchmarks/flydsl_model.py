@@ -148,10 +148,10 @@ def our_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
     return [
         Launch("stage 1", k1, math.ceil(blocks * (I // s1.BN)),
                d * weight_bytes(fmt, 2 * I, H) + tokens * H * 2 + rows * I * 2 + rows * 4,
-               mfma_per_wave(arch, s1.BM, 2 * s1.BN, H, s1.waves, int4_tiles(s1))),
+               mfma_per_wave(arch, s1.BM, 2 * s1.BN, H, s1.workgroup_waves, int4_tiles(s1))),
         Launch("stage 2", k2, math.ceil(blocks * (H // s2.BN)),
                d * weight_bytes(fmt, H, I) + rows * I * 2 + tokens * TOP_K * H * 2 + rows * 4,
-               mfma_per_wave(arch, s2.BM, s2.BN, I // s2.split_k, s2.waves, int4_tiles(s2))),
+               mfma_per_wave(arch, s2.BM, s2.BN, I // s2.split_k, s2.workgroup_waves, int4_tiles(s2))),
     ]
 
 

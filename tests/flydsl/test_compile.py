@@ -133,7 +133,7 @@ def test_speed_model_reads_every_kernel(compiled, cfg):
     kernel = isa_model.parse(Path(compiled[cfg.name].report["isa_file"]).read_text(), cfg.name)
     k_mfma = 128 if cfg.quantized else int(cfg.mfma.split("x")[-1])
     cols = (2 if cfg.stage == 1 else 1) * cfg.n_rep * 16            # a wave's columns (gate and up on stage 1)
-    work = cfg.BM * cols * (cfg.K // cfg.split_k) // (16 * 16 * k_mfma)
+    work = cfg.BM * cols * (cfg.K // (cfg.split_k * cfg.k_waves)) // (16 * 16 * k_mfma)
     if cfg.weight_format == "int4" and not cfg.quantized:   # one more chain per group: the -136 sum
         tiles_ = cols // 16
         work = work * (tiles_ + 1 + (tiles_ if cfg.has_offsets else 0)) // tiles_
@@ -141,7 +141,7 @@ def test_speed_model_reads_every_kernel(compiled, cfg):
     inside = sum(kernel.mfma_count(start, end + 1) for start, end in loops)
     outside = kernel.mfma_count() - inside
     assert (work - outside) % inside == 0 if inside else work == outside, (work, outside, inside)
-    assert kernel.waves_per_workgroup == cfg.waves
+    assert kernel.waves_per_workgroup == cfg.workgroup_waves
     occ = artifacts.occupancy(cfg.arch, vgpr=kernel.vgpr, agpr=kernel.agpr, accum_offset=kernel.accum_offset,
                               lds_bytes=kernel.lds_bytes, waves_per_workgroup=kernel.waves_per_workgroup)
     assert occ == compiled[cfg.name].report["occupancy"]

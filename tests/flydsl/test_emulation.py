@@ -48,8 +48,8 @@ def only_tier(arch, index):
     return tiles.load_table({arch: [{**raw_tiers(arch)[index], "max_tokens": None}]})
 
 
-def prepared_layer(gen, arch, *, offsets=False, inter=I, experts=E):
-    layer = random_layer(gen, experts=experts, hidden=H, inter=inter)
+def prepared_layer(gen, arch, *, offsets=False, inter=I, experts=E, hidden=H):
+    layer = random_layer(gen, experts=experts, hidden=hidden, inter=inter)
     backend = FlyDSLBackend(arch=arch)
     if arch == "gfx942":
         int4 = requantize_experts(layer, progress=False)
@@ -99,7 +99,7 @@ def check(prep, arch, x, tw, ids, act, reduce="slots", **kw):
 
 
 # ------------------------------------------------------------------ every tile of the table
-@pytest.mark.parametrize("tier", [0, 1, 2, 3])
+@pytest.mark.parametrize("tier", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_every_table_tile_matches_the_reference(gen, arch, tier):
     prep = prepared_layer(gen, arch)
@@ -111,6 +111,10 @@ def test_every_table_tile_matches_the_reference(gen, arch, tier):
 
 def direct_table(arch):
     return only_tier(arch, next(i for i, t in enumerate(raw_tiers(arch)) if t.get("direct")))
+
+
+def aligned_table(arch):
+    return only_tier(arch, next(i for i, t in enumerate(raw_tiers(arch)) if not t.get("direct")))
 
 
 # the forward's own PyTorch calls may allocate and view, nothing else: no fill, copy, sort or arithmetic
@@ -143,7 +147,7 @@ def test_a_forward_is_three_launches_direct_four_up_to_16_tokens_and_seven_above
     rec = LaunchRecorder(monkeypatch)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         pipeline.moe_forward(prep, x, tw, ids, SITU, None, arch=arch, launch=rec.flydsl)
-    direct = tokens <= next(t["max_tokens"] for t in raw_tiers(arch) if t.get("direct"))
+    direct = tokens <= max(t["max_tokens"] for t in raw_tiers(arch) if t.get("direct"))
     want = ([] if direct else ["align.small"] if tokens * K <= 256 else
             ["align.zero", "align.count", "align.offsets", "align.scatter"])
     assert rec.labels[:len(want)] == want and len(rec.labels) == len(want) + 3, rec.labels
@@ -174,6 +178,44 @@ def test_kernel_variants_runtime_betas_atomic_split_k_and_unroll(gen, arch):
     ]
     for v1, v2 in variants:
         check(prep, arch, x, tw, ids, SITU, reduce=v2.reduce, configs=(v1, v2))
+
+
+def _k_block_ignoring_wave(bid_k, wave_k, it, u, k_waves, iters, U, _orig=layout.k_block):
+    return _orig(bid_k, 0, it, u, k_waves, iters, U)
+
+
+def _partials_on_one_slot(wave_k, wave_n, a, lane, waves, n_acc, _orig=layout.reduce_lds_byte_offset):
+    return _orig(0, wave_n, a, lane, waves, n_acc)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_k_split_over_waves_matches_the_reference_and_its_indices_are_checked(gen, arch, monkeypatch):
+    """Stage 1 with K over 2 and 4 waves (partials summed through LDS in wave order), direct and
+    aligned, int4 with offsets on gfx942; SiLU and SiTUv2 differ; a wave walking the wrong K slice
+    or partials on one LDS slot are caught."""
+    hidden = 512                                         # 4 K blocks: k_waves 4 has one each
+    prep = prepared_layer(gen, arch, offsets=arch == "gfx942", hidden=hidden)
+    x, tw, ids = random_routing(gen, 3, E, K, hidden)
+    fmt = prep.weight_format
+    results = {}
+    for direct in (E, None):
+        c1, c2 = tiles.stage_configs(arch, fmt, hidden=hidden, inter=I, top_k=K, num_tokens=3, activation=SITU,
+                                     has_offsets=prep.has_offsets, direct_experts=direct)
+        for waves, k_waves in ((1, 4), (2, 2)):
+            v1 = replace(c1, waves=waves, k_waves=k_waves, a_lds=False)
+            use = ids if direct else ids.long()          # int64 ids take the aligned layout
+            results[direct, k_waves] = check(prep, arch, x, tw, use, SITU, configs=(v1, c2))
+            silu = check(prep, arch, x, tw, use, SILU, configs=(v1.with_activation(SILU), c2))
+            assert relative_l2(results[direct, k_waves], silu) > 0.05
+    v1 = replace(c1, waves=1, k_waves=4, a_lds=False)
+    for name, wrong in (("k_block", _k_block_ignoring_wave), ("reduce_lds_byte_offset", _partials_on_one_slot)):
+        with monkeypatch.context() as m:
+            m.setattr(layout, name, wrong)
+            try:
+                bad = emulate(prep, arch, x, tw, ids.long(), SITU, configs=(v1, c2))
+            except emulator.EmulatorError:
+                continue
+        assert not relative_l2(bad, results[None, 4]) <= 10 * FAITHFUL_BOUND, name
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
@@ -218,7 +260,7 @@ def test_expert_ids_out_of_range_contribute_nothing_and_read_nothing(gen, layout
     bad = torch.zeros(ids.shape, dtype=torch.bool)
     bad[torch.arange(tokens), torch.randint(0, K, (tokens,), generator=gen)] = True
     ids[bad] = torch.tensor(wild, dtype=dtype)[torch.randint(0, len(wild), (tokens,), generator=gen)]
-    table = direct_table("gfx950") if layout_ == "direct" else only_tier("gfx950", 1)
+    table = direct_table("gfx950") if layout_ == "direct" else aligned_table("gfx950")
     out = emulate(prep, "gfx950", x, tw, ids, SITU, table=table)
     kept_tw = torch.where(bad, torch.zeros_like(tw), tw)
     ref = float_reference(prep, x, kept_tw, torch.where(bad, torch.zeros_like(ids), ids), SITU)

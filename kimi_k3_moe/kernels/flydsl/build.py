@@ -125,7 +125,7 @@ def compile_here(cfg: KernelConfig | QuantConfig, out_dir: str | os.PathLike) ->
         "occupancy": artifacts.occupancy(cfg.arch, vgpr=meta["vgpr_count"], agpr=meta["agpr_count"],
                                          accum_offset=stats["accum_offset"],
                                          lds_bytes=meta["group_segment_fixed_size"],
-                                         waves_per_workgroup=cfg.waves),
+                                         waves_per_workgroup=cfg.workgroup_waves),
     }
     (out_dir / f"{cfg.name}.json").write_text(json.dumps(report, indent=1))
     return report

@@ -51,6 +51,7 @@ class KernelConfig:
     top_k: int
     BM: int = 16                  # sorted rows per workgroup (the alignment block)
     waves: int = 4                # waves per workgroup, side by side along N
+    k_waves: int = 1              # ... times this many along K, each summing a slice; partials meet in LDS
     n_rep: int = 2                # 16-column sub-tiles per wave
     kb_unroll: int = 1            # K128 blocks per loop iteration
     a_lds: bool = False           # stage the activation tile through LDS
@@ -84,7 +85,7 @@ class KernelConfig:
         if isinstance(self.waves_per_eu, bool) or not isinstance(self.waves_per_eu, int) \
                 or not 0 <= self.waves_per_eu <= 8:
             raise ValueError(f"waves_per_eu must be an int in [0, 8], got {self.waves_per_eu!r}")
-        for field in ("N", "K", "top_k", "BM", "waves", "n_rep", "kb_unroll", "split_k"):
+        for field in ("N", "K", "top_k", "BM", "waves", "k_waves", "n_rep", "kb_unroll", "split_k"):
             v = getattr(self, field)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"KernelConfig.{field} must be a positive int, got {v!r}")
@@ -100,8 +101,9 @@ class KernelConfig:
             raise ValueError(f"BM={self.BM} must be a multiple of {layout.MFMA_TILE}")
         if self.kb_unroll not in (1, 2, 4):
             raise ValueError(f"kb_unroll={self.kb_unroll} must be 1, 2 or 4")
-        if self.waves > 16:
-            raise ValueError(f"waves={self.waves}: at most 16 waves (1024 threads) per workgroup")
+        if self.waves * self.k_waves > 16:
+            raise ValueError(f"waves={self.waves} x k_waves={self.k_waves}: at most 16 waves (1024 threads) "
+                             "per workgroup")
         if self.N % self.BN:
             raise ValueError(f"N={self.N} is not a multiple of the tile width BN={self.BN} "
                              f"(waves {self.waves} x n_rep {self.n_rep} x 16)")
@@ -111,6 +113,14 @@ class KernelConfig:
         if self.a_lds and (self.BM * 16 * self.kb_unroll) % (self.waves * layout.LANES):
             raise ValueError(f"a_lds: the staged tile's {self.BM * 16 * self.kb_unroll} 16-byte chunks "
                              f"must split evenly over {self.waves * layout.LANES} threads")
+        if self.k_waves > 1:
+            if self.a_lds or self.act_dtype != BF16:
+                raise ValueError(f"k_waves={self.k_waves} splits K over waves that read their activations "
+                                 "directly: a_lds and quantized activations take k_waves=1")
+            iters = self.K // (step * self.split_k)
+            if iters % self.k_waves:
+                raise ValueError(f"k_waves={self.k_waves} does not divide the {iters} K iterations "
+                                 f"(K={self.K}, 128 x kb_unroll {self.kb_unroll}, split_k {self.split_k})")
 
     def _check_activation(self) -> None:
         if self.stage == 2:
@@ -187,8 +197,12 @@ class KernelConfig:
         return MFMA[self.arch]
 
     @property
+    def workgroup_waves(self) -> int:
+        return self.waves * self.k_waves
+
+    @property
     def threads(self) -> int:
-        return self.waves * layout.LANES
+        return self.workgroup_waves * layout.LANES
 
     @property
     def weight_rows(self) -> int:
@@ -197,8 +211,8 @@ class KernelConfig:
 
     @property
     def k_iters(self) -> int:
-        """K loop iterations per workgroup (each covers 128 x kb_unroll)."""
-        return self.K // (layout.K_BLOCK * self.kb_unroll) // self.split_k
+        """K loop iterations per wave (each covers 128 x kb_unroll)."""
+        return self.K // (layout.K_BLOCK * self.kb_unroll) // self.split_k // self.k_waves
 
     def activation_spec(self) -> ActivationSpec | None:
         if self.stage == 2:
@@ -222,7 +236,8 @@ class KernelConfig:
         fmt = self.weight_format + ("ofs" if self.has_offsets else "")
         if self.quantized:
             fmt += "_a8" if self.act_dtype == FP8 else "_a4"
-        tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
+        tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}" + (f"_kw{self.k_waves}" if self.k_waves > 1 else "")
+                + f"_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
                 + ("_pf" if self.prefetch else "")
                 + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else "")
                 + (f"_dir{self.num_experts}" if self.direct else ""))
@@ -273,6 +288,10 @@ class QuantConfig:
     @property
     def threads(self) -> int:
         return self.waves * layout.LANES
+
+    @property
+    def workgroup_waves(self) -> int:
+        return self.waves
 
     @property
     def name(self) -> str:

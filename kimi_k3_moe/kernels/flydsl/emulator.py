@@ -413,7 +413,8 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
     lane = torch.arange(L.LANES)
     g, r = L.lane_split(lane)
     waves = []
-    for wave in range(cfg.waves):
+    for w in range(cfg.workgroup_waves):
+        wave, wave_k = L.wave_split(w, cfg.waves)
         p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, n_rep)[0] + r for mi in range(m_rep)]
         slots = [_row_slot(cfg, sid, p, sentinel) for p in p_rows]
         a_rows = [L.slot_token(s, cfg.top_k) for s in slots] if stage1 else p_rows
@@ -423,13 +424,14 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
             w_rows += [L.gate_up_row(n0 + r, gu, N) for gu in range(2)] if stage1 else [n0 + r]
         n_carried = len(w_rows) * m_rep * (2 if cfg.weight_format == INT4 and cfg.has_offsets else 1)
         accs = [torch.zeros(16, 16) for _ in range(n_carried)]
-        waves.append((wave, p_rows, slots, a_rows, w_rows, accs))
+        waves.append((wave, wave_k, p_rows, slots, a_rows, w_rows, accs))
 
     lds_plan = _lds_plan(cfg, bid_m, sid, sentinel) if cfg.a_lds else None
     for it in range(cfg.k_iters):
-        kb0 = (bid_k * cfg.k_iters + it) * U
-        lds = _stage_tile(cfg, act, lds_plan, kb0) if cfg.a_lds else None
-        for wave, p_rows, slots, a_rows, w_rows, accs in waves:
+        # a_lds workgroups have one K wave (config), so the staged tile is that wave's
+        lds = _stage_tile(cfg, act, lds_plan, L.k_block(bid_k, 0, it, 0, 1, cfg.k_iters, U)) if cfg.a_lds else None
+        for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves:
+            kb0 = L.k_block(bid_k, wave_k, it, 0, cfg.k_waves, cfg.k_iters, U)
             for u in range(U):
                 kb = kb0 + u
                 if cfg.quantized:
@@ -458,11 +460,63 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                         for mi in range(m_rep):
                             accs[wi * m_rep + mi] = _mfma(accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
 
-    for wave, p_rows, slots, a_rows, w_rows, accs in waves:
+    joined = {}
+    for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves:
         n_acc = len(w_rows) * m_rep
         if len(accs) > n_acc:   # int4 offsets: their accumulators join once, in fp32
             accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
-        _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta, sid, sentinel)
+        joined[wave, wave_k] = accs
+    summed = _reduce_k_waves(cfg, joined, g, r)
+    for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves:
+        if wave_k == 0:      # the first K wave stores
+            _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, summed[wave], out, tw, beta, lin_beta,
+                      sid, sentinel)
+
+
+def _reduce_k_waves(cfg, partials, g, r):
+    """{(wave_n, wave_k): accs} -> {wave_n: accs summed over K waves}. Every wave's partial tiles go
+    through an LDS image at the kernel's offsets (checked: in range, no two writes on the same bytes,
+    no read of unwritten bytes); the first K wave adds the others' in wave order, as the kernel does."""
+    if cfg.k_waves == 1:
+        return {wave: accs for (wave, _), accs in partials.items()}
+    lane = torch.arange(L.LANES)
+    n = len(next(iter(partials.values())))
+    words = cfg.workgroup_waves * n * L.LANES * 4
+    lds = torch.full((words,), float("nan"))
+    written = torch.zeros(words, dtype=torch.bool)
+    e = torch.arange(4)
+    rows, cols = L.d_row_col(g[:, None], r[:, None], e[None, :])
+
+    def at(wave, wave_k, a):
+        off = L.reduce_lds_byte_offset(wave_k, wave, a, lane, cfg.waves, n)
+        idx = (off >> 2)[:, None] + e
+        if bool((off & 15).any()) or int(idx.min()) < 0 or int(idx.max()) >= words:
+            raise EmulatorError("K-wave reduction: LDS offset misaligned or outside the partials")
+        return idx
+
+    for (wave, wave_k), accs in partials.items():
+        for a, acc in enumerate(accs):
+            idx = at(wave, wave_k, a)
+            if bool(written[idx].any()):
+                raise EmulatorError("K-wave reduction: two partials written to the same LDS bytes")
+            written[idx] = True
+            lds[idx] = _lane_values(acc, g, r)
+    summed = {}
+    for (wave, wave_k), accs in partials.items():
+        if wave_k:
+            continue
+        out = []
+        for a, total in enumerate(accs):
+            for wk in range(1, cfg.k_waves):
+                idx = at(wave, wk, a)
+                if not bool(written[idx].all()):
+                    raise EmulatorError("K-wave reduction: read of LDS bytes no wave wrote")
+                tile = torch.empty(16, 16)
+                tile[rows, cols] = lds[idx]
+                total = total + tile
+            out.append(total)
+        summed[wave] = out
+    return summed
 
 
 def _scaled_block(cfg, accs, rw, rs, act, act_s, w_rows, a_rows, kb, g, m_rep):

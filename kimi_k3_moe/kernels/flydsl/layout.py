@@ -59,6 +59,24 @@ def tile_origin(bid_m, bid_n, wave, ni, mi, BM, BN, n_rep):
     return bid_m * BM + mi * MFMA_TILE, bid_n * BN + wave * (n_rep * MFMA_TILE) + ni * MFMA_TILE
 
 
+def wave_split(wave, waves):
+    """(wave_n, wave_k) of a workgroup's wave: `waves` side by side along N, then the next K slice."""
+    wave_k = wave // waves
+    return wave - wave_k * waves, wave_k
+
+
+def k_block(bid_k, wave_k, it, u, k_waves, iters, U):
+    """K128 block of loop iteration `it`, step u: workgroup slice bid_k, then wave slice wave_k
+    (each wave of a K-split workgroup walks `iters` iterations of its own contiguous slice)."""
+    return ((bid_k * k_waves + wave_k) * iters + it) * U + u
+
+
+def reduce_lds_byte_offset(wave_k, wave_n, a, lane, waves, n_acc):
+    """LDS byte offset of accumulator a (4 fp32 per lane) of wave (wave_n, wave_k) in a K-split
+    workgroup's reduction: consecutive lanes on consecutive 16 bytes (no bank conflicts)."""
+    return (((wave_k * waves + wave_n) * n_acc + a) * LANES + lane) * 16
+
+
 def d_row_col(g, r, e):
     """Which element of the 16x16 D tile a lane holds in accumulator register e: (row i, col c)."""
     return 4 * g + e, r

@@ -36,7 +36,7 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
         extras = [
             s1.with_activation(K3_SITU, betas="runtime"),
             s1.with_activation(OTHER_SITU),
-            replace(s2, reduce="atomic", split_k=3),
+            replace(s2, reduce="atomic", split_k=3, k_waves=1),
         ]
         if fmt == INT4:
             extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True)]
@@ -62,5 +62,5 @@ def quantized_configs(arch: str) -> list[KernelConfig | QuantConfig]:
         if act == FP8:
             out.setdefault(s1.with_activation(OTHER_SITU))
         else:
-            out.setdefault(replace(s2, reduce="atomic", split_k=3))
+            out.setdefault(replace(s2, reduce="atomic", split_k=3, k_waves=1))
     return list(out)

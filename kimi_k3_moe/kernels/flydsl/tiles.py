@@ -24,7 +24,7 @@ from kimi_k3_moe.kernels.flydsl.config import KernelConfig, check_arch
 
 TABLE = "flydsl_tiles.json"
 TILE_FIELDS = ("waves", "n_rep", "kb_unroll", "a_lds")
-OPTIONAL_TILE_FIELDS = ("waves_per_eu", "prefetch")
+OPTIONAL_TILE_FIELDS = ("waves_per_eu", "prefetch", "k_waves")
 MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks up to this
 
 
@@ -130,7 +130,7 @@ def tier_for(arch: str, num_tokens: int, table: dict | None = None) -> Tier:
 
 def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = False,
          lds: bool = True) -> dict[str, Any]:
-    """The tier's tile, narrowed until it divides this shape (n_rep first, then waves).
+    """The tier's tile, narrowed until it divides this shape (n_rep first, then waves; k_waves for K).
 
     `pairs` (stage 1 with quantized activations: a wave's output columns must come in
     32-column scale groups) keeps n_rep even, turning an odd n_rep into twice as many
@@ -157,6 +157,9 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = Fals
         tile["a_lds"] = False
     if not lds:   # quantized activations: their loops keep waiting on the prefetched block (ISA), so none
         tile.pop("prefetch", None)
+        tile.pop("k_waves", None)   # and they are not split over waves
+    while (K // (layout.K_BLOCK * tile["kb_unroll"])) % tile.get("k_waves", 1):
+        tile["k_waves"] -= 1
     return tile
 
 

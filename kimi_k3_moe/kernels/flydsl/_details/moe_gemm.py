@@ -260,6 +260,38 @@ def _compute_block(cfg, accs, loaded, lds, u, g, r, high):
     return _mma_block(cfg, accs, words, scales, offsets, xs)
 
 
+def _reduce_k_waves(cfg, partials_type, accs, wave_n, wave_k, lane):
+    """K split over waves: every wave stores its partial sums in LDS, then each adds the others'
+    in wave order, so the first K wave holds ((p0 + p1) + p2) + ... (deterministic); only it
+    stores (the kernel body's branch)."""
+    if cfg.k_waves == 1:
+        return accs
+    smem = fx.SharedAllocator().allocate(partials_type).peek()
+    lds = fx.recast_iter(fx.Int32, smem.x.ptr)
+    n = len(accs)
+
+    def at(wk, a):
+        return fx.add_offset(lds, L.reduce_lds_byte_offset(wk, wave_n, a, lane, cfg.waves, n) >> 2)
+
+    for a in range(n):
+        fx.ptr_store(accs[a].bitcast(fx.Int32), at(wave_k, a))
+    gpu.barrier()
+    return [_sum_partials(accs[a], [fx.Vector(fx.ptr_load(at(wk, a), T.vec(4, T.i32))).bitcast(fx.Float32)
+                                    for wk in range(1, cfg.k_waves)]) for a in range(n)]
+
+
+def _sum_partials(own, others):
+    total = own
+    for part in others:
+        total = total + part
+    return total
+
+
+def _first_k_wave(cfg, wave_k):
+    """Whether this wave stores the results: every wave unless K is split over waves."""
+    return True if cfg.k_waves == 1 else wave_k == 0
+
+
 def _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g,
             lane, rsid=None):
     if cfg.weight_format == INT4:
@@ -416,6 +448,7 @@ def build(cfg: KernelConfig):
     n_acc = (2 if cfg.stage == 1 else 1) * cfg.n_rep * m_rep
     n_carried = n_acc * (2 if cfg.weight_format == INT4 and cfg.has_offsets else 1)   # + offset accumulators
     iters, U, threads = cfg.k_iters, cfg.kb_unroll, cfg.threads
+    n_partials = cfg.k_waves * cfg.waves * n_acc * L.LANES * 4 if cfg.k_waves > 1 else 0
     code_stride = L.expert_code_base(1, R, K)
     group_stride = L.expert_group_base(1, R, K)
 
@@ -423,14 +456,19 @@ def build(cfg: KernelConfig):
     class ActTile:
         x: fx.Array[fx.Int32, max(BM * L.lds_row_bytes(U) // 4, 4), 16]
 
+    @fx.struct
+    class Partials:
+        x: fx.Array[fx.Int32, max(n_partials, 4), 16]
+
     def prologue(tid, BE):
         lane = tid & 63
         wave = fx.Int32(rocdl.readfirstlane(T.i32, (tid >> 6).ir_value()))
+        wave, wave_k = (wave, 0) if cfg.k_waves == 1 else L.wave_split(wave, cfg.waves)
         g, r = L.lane_split(lane)
         expert = rocdl.s_buffer_load(rocdl.make_buffer_ptr(fx.get_iter(BE)), fx.block_idx.x)
-        return lane, wave, g, r, expert
+        return lane, wave, wave_k, g, r, expert
 
-    def operands(A, W, S, OFS, SID, AS, expert, tid, wave, r, num_tokens, num_rows):
+    def operands(A, W, S, OFS, SID, AS, expert, tid, wave, wave_k, r, num_tokens, num_rows):
         bid_m, bid_n = fx.block_idx.x, fx.block_idx.y
         e64 = fx.Int64(expert)
         rw = D.rsrc(D.expert_ptr(W, e64 * code_stride))
@@ -447,14 +485,17 @@ def build(cfg: KernelConfig):
         lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid, sentinel)
         accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_carried)]
         high = D.int4_word_high() if cfg.weight_format == INT4 else None
-        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid), accs
+        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid, wave_k), accs
 
     tile_len = len(range(0, BM * 16 * U, threads)) if cfg.a_lds else 0
+
+    def first_block(ops, it):
+        return L.k_block(fx.Int32(fx.block_idx.z), ops[13], it, 0, cfg.k_waves, iters, U)
 
     def load_iteration(ops, it, g):
         """Every global load of K iteration `it` (its U blocks and its staged tile share), flat."""
         rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows = ops[:9]
-        kb0 = (fx.Int32(fx.block_idx.z) * iters + it) * U
+        kb0 = first_block(ops, it)
         loaded = _load_tile(cfg, ra, plan, kb0)
         for u in range(U):
             loaded += _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb0 + u, g)
@@ -474,7 +515,7 @@ def build(cfg: KernelConfig):
         """Without prefetch: the staged tile first (loaded, stored, barrier), then each block's loads
         right before its MFMAs, so no block's weights stay live across the barrier."""
         rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high = ops[:10]
-        kb0 = (fx.Int32(fx.block_idx.z) * iters + it) * U
+        kb0 = first_block(ops, it)
         _stage_tile(cfg, ra, lds, plan, kb0)
         for u in range(U):
             block = _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb0 + u, g)
@@ -500,10 +541,13 @@ def build(cfg: KernelConfig):
     def k_finish(ops, accs, carried, g, r):
         return compute_iteration(ops, accs, carried, g, r) if cfg.prefetch else accs
 
-    def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
-        slots, p_rows, rsid = ops[10:]
+    def join(ops, accs, wave, lane):
         if n_carried > n_acc:   # int4 offsets: their accumulators join once
             accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
+        return _reduce_k_waves(cfg, Partials, accs, wave, ops[13], lane)
+
+    def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
+        slots, p_rows, rsid = ops[10:13]
         _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
                 fx.block_idx.x, fx.block_idx.y, wave, g, lane, rsid)
 
@@ -516,13 +560,13 @@ def build(cfg: KernelConfig):
                     TW: fx.Tensor, Y: fx.Tensor, AS: fx.Tensor, YS: fx.Tensor, num_tokens: fx.Int32,
                     num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32):
             tid = fx.thread_idx.x
-            lane, wave, g, r, expert = prologue(tid, BE)
+            lane, wave, wave_k, g, r, expert = prologue(tid, BE)
             if _live(cfg, expert):                        # unused alignment blocks exit at once
-                ops, accs = operands(A, W, S, OFS, SID, AS, expert, tid, wave, r, num_tokens, num_rows)
+                ops, accs = operands(A, W, S, OFS, SID, AS, expert, tid, wave, wave_k, r, num_tokens, num_rows)
                 carried = k_start(ops, g)
                 for it in range(k_steps, unroll=k_unroll):
                     accs, carried = k_step(ops, accs, carried, fx.Int32(it), g, r)
-                accs = k_finish(ops, accs, carried, g, r)
+                accs = join(ops, k_finish(ops, accs, carried, g, r), wave, lane)
                 epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
 
         @flyc.jit
@@ -538,14 +582,15 @@ def build(cfg: KernelConfig):
                   TW: fx.Tensor, Y: fx.Tensor, num_tokens: fx.Int32, num_rows: fx.Int32,
                   beta: fx.Float32, lin_beta: fx.Float32):
             tid = fx.thread_idx.x
-            lane, wave, g, r, expert = prologue(tid, BE)
+            lane, wave, wave_k, g, r, expert = prologue(tid, BE)
             if _live(cfg, expert):                        # unused alignment blocks exit at once
-                ops, accs = operands(A, W, S, OFS, SID, None, expert, tid, wave, r, num_tokens, num_rows)
+                ops, accs = operands(A, W, S, OFS, SID, None, expert, tid, wave, wave_k, r, num_tokens, num_rows)
                 carried = k_start(ops, g)
                 for it in range(k_steps, unroll=k_unroll):
                     accs, carried = k_step(ops, accs, carried, fx.Int32(it), g, r)
-                accs = k_finish(ops, accs, carried, g, r)
-                epilogue(ops, accs, Y, None, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
+                accs = join(ops, k_finish(ops, accs, carried, g, r), wave, lane)
+                if _first_k_wave(cfg, wave_k):            # K split over waves: the first one stores
+                    epilogue(ops, accs, Y, None, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
             else:
                 _skipped_block(cfg, Y, num_tokens, wave, g, r)
 
