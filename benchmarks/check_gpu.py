@@ -38,7 +38,7 @@ from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.kernels.triton.probe import decode_rows  # noqa: E402
 from kimi_k3_moe.reference import dense_moe, relative_l2  # noqa: E402
-from kimi_k3_moe.experts import ExpertWeights, Int4Experts  # noqa: E402
+from kimi_k3_moe.experts import Mxfp4Experts, Int4Experts  # noqa: E402
 from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
 
 TOLERANCE = 1e-2
@@ -167,7 +167,7 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
     wide_scale = experts.w13_scale.clone()
     wide_scale[0, 0, 0] = 140
     prepared["mxfp4-wide"] = backends["mxfp4"].prepare(
-        ExpertWeights(experts.w13_packed, wide_scale, experts.w2_packed, experts.w2_scale))
+        Mxfp4Experts(experts.w13_packed, wide_scale, experts.w2_packed, experts.w2_scale))
     chk.record(prepared["mxfp4-wide"].wide_scales and not prepared["mxfp4"].wide_scales, check="wide_scales")
     log("prepared", {k: f"{v.nbytes / 1e9:.2f} GB" for k, v in prepared.items()})
 

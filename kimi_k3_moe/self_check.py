@@ -15,7 +15,7 @@ import torch
 from kimi_k3_moe import settings
 from kimi_k3_moe.act_quant import ActQuant
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import ExpertWeights, Int4Experts
+from kimi_k3_moe.experts import Mxfp4Experts, Int4Experts
 from kimi_k3_moe.kernels.base import MoEBackend
 from kimi_k3_moe.reference import dense_moe, relative_l2
 from kimi_k3_moe.weights.requant import to_format
@@ -39,7 +39,7 @@ def self_check_mode(env=None) -> str:
 
 def run_self_check(
     backend: MoEBackend,
-    experts: ExpertWeights | Int4Experts,
+    experts: Mxfp4Experts | Int4Experts,
     activation: ActivationSpec,
     *,
     num_experts: int = 4,

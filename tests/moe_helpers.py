@@ -9,7 +9,7 @@ import torch
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels.torch import SPEC as TORCH_SPEC
 from kimi_k3_moe.kernels.torch.backend import TorchBackend
@@ -18,11 +18,11 @@ SITU = ActivationSpec.situv2(4.0, 25.0)   # Kimi-K3's betas, as make_checkpoint 
 SILU = ActivationSpec.silu()
 
 
-def random_experts(gen: torch.Generator, e: int = 5, h: int = 64, i: int = 32, gain: float = 3.0) -> ExpertWeights:
+def random_experts(gen: torch.Generator, e: int = 5, h: int = 64, i: int = 32, gain: float = 3.0) -> Mxfp4Experts:
     """MXFP4 experts from scaled Gaussians (stage-1 outputs of a few units, like a real layer)."""
     w13 = torch.randn(e, 2 * i, h, generator=gen) * gain / h ** 0.5
     w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
-    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    return Mxfp4Experts(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
 
 
 def random_ids(gen: torch.Generator, tokens: int, e: int, k: int) -> torch.Tensor:

@@ -5,10 +5,10 @@ import math
 import torch
 
 from kimi_k3_moe.bench.routing import Routing
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 
 
-def random_experts(num_experts: int, hidden: int, inter: int, device, gen: torch.Generator) -> ExpertWeights:
+def random_experts(num_experts: int, hidden: int, inter: int, device, gen: torch.Generator) -> Mxfp4Experts:
     """Uniformly random e2m1 codes (RMS 2.93) with e8m0 scales drawn around the value that makes
     stage-1 outputs RMS ~4 for unit-variance inputs (so SiLU and SiTUv2 really differ, as on K3)
     and stage-2 weights RMS ~1/sqrt(I)."""
@@ -18,7 +18,7 @@ def random_experts(num_experts: int, hidden: int, inter: int, device, gen: torch
         scale = torch.randint(center - 2, center + 3, (num_experts, n, k // 32), dtype=torch.uint8,
                               device=device, generator=gen)
         return packed, scale
-    return ExpertWeights(*side(2 * inter, hidden, 4.0 / math.sqrt(hidden)), *side(hidden, inter, 1.0 / math.sqrt(inter)))
+    return Mxfp4Experts(*side(2 * inter, hidden, 4.0 / math.sqrt(hidden)), *side(hidden, inter, 1.0 / math.sqrt(inter)))
 
 
 def recorded_ids(path: str, num_experts: int, topk: int) -> torch.Tensor:

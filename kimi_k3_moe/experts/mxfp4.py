@@ -1,4 +1,4 @@
-"""`ExpertWeights`: a layer's experts in MXFP4, exactly as checkpoints hold them."""
+"""`Mxfp4Experts`: a layer's experts in MXFP4, exactly as checkpoints hold them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from kimi_k3_moe.formats import mxfp4
 
 
 @dataclass
-class ExpertWeights(PackedShapes):
+class Mxfp4Experts(PackedShapes):
     """A layer's (or a rank's share of a layer's) experts in MXFP4, as checkpoints hold them.
 
     w13 rows [0, I) are the gate (checkpoint w1), rows [I, 2I) the up half (w3).
@@ -32,12 +32,12 @@ class ExpertWeights(PackedShapes):
         for field in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
             t = getattr(self, field)
             if t.dtype != torch.uint8:
-                raise TypeError(f"ExpertWeights.{field} must be uint8, got {t.dtype}")
+                raise TypeError(f"Mxfp4Experts.{field} must be uint8, got {t.dtype}")
             if t.dim() != 3:
-                raise ValueError(f"ExpertWeights.{field} must be 3-D [E, N, K'], got {tuple(t.shape)}")
+                raise ValueError(f"Mxfp4Experts.{field} must be 3-D [E, N, K'], got {tuple(t.shape)}")
         e, two_i, half_h = self.w13_packed.shape
         if two_i % 2:
-            raise ValueError(f"ExpertWeights.w13_packed rows ({two_i}) must be 2*I")
+            raise ValueError(f"Mxfp4Experts.w13_packed rows ({two_i}) must be 2*I")
         h, i = half_h * 2, two_i // 2
         expected = {
             "w13_scale": (e, two_i, h // mxfp4.BLOCK_SIZE),
@@ -48,7 +48,7 @@ class ExpertWeights(PackedShapes):
             raise ValueError(f"hidden {h} and intermediate {i} must be multiples of {mxfp4.BLOCK_SIZE}")
         for field, shape in expected.items():
             if tuple(getattr(self, field).shape) != shape:
-                raise ValueError(f"ExpertWeights.{field} shape {tuple(getattr(self, field).shape)} "
+                raise ValueError(f"Mxfp4Experts.{field} shape {tuple(getattr(self, field).shape)} "
                                  f"!= {shape} (from w13_packed {tuple(self.w13_packed.shape)})")
 
     @property
@@ -58,12 +58,12 @@ class ExpertWeights(PackedShapes):
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
 
-    def to(self, device: torch.device | str) -> "ExpertWeights":
-        return ExpertWeights(*(t.to(device) for t in self.tensors()))
+    def to(self, device: torch.device | str) -> "Mxfp4Experts":
+        return Mxfp4Experts(*(t.to(device) for t in self.tensors()))
 
-    def select(self, experts) -> "ExpertWeights":
+    def select(self, experts) -> "Mxfp4Experts":
         """The experts at these local indices (a list, tensor or slice)."""
-        return ExpertWeights(*(t[experts] for t in self.tensors()))
+        return Mxfp4Experts(*(t[experts] for t in self.tensors()))
 
     def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 (w13 [2I, H], w2 [H, I]) of one expert."""

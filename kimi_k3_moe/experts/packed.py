@@ -1,6 +1,6 @@
 """The one base of the backends' prepared forms: 4-bit codes plus a layout.
 
-A prepared form holds the same values as `ExpertWeights` (MXFP4) or
+A prepared form holds the same values as `Mxfp4Experts` (MXFP4) or
 `Int4Experts`: codes w13 [E, 2I, H/2] (gate rows first) and w2 [E, H, I/2],
 scales [.., K/32] (e8m0 bytes for MXFP4, bf16 for int4) and, for asymmetric
 int4, bf16 offsets of the same shape. Only where the bits of the codes sit
@@ -17,7 +17,7 @@ import torch
 
 from kimi_k3_moe.experts.format import INT4, KINDS, MXFP4, WeightFormat
 from kimi_k3_moe.experts.int4 import Int4Experts
-from kimi_k3_moe.experts.mxfp4 import ExpertWeights
+from kimi_k3_moe.experts.mxfp4 import Mxfp4Experts
 from kimi_k3_moe.experts.shapes import PackedShapes
 from kimi_k3_moe.formats import int4, mxfp4
 
@@ -84,18 +84,18 @@ class PackedExperts(PackedShapes):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_experts(cls, experts: ExpertWeights | Int4Experts):
+    def from_experts(cls, experts: Mxfp4Experts | Int4Experts):
         """MXFP4 or int4 experts in this class's layout (scales and offsets as they are)."""
         def keep(t):
             return None if t is None else t.contiguous()
-        if isinstance(experts, ExpertWeights):
+        if isinstance(experts, Mxfp4Experts):
             return cls(MXFP4, cls.layout.swizzle(experts.w13_packed, MXFP4), keep(experts.w13_scale),
                        cls.layout.swizzle(experts.w2_packed, MXFP4), keep(experts.w2_scale))
         if isinstance(experts, Int4Experts):
             w13, w2 = experts.w13, experts.w2
             return cls(INT4, cls.layout.swizzle(w13.packed, INT4), keep(w13.scales),
                        cls.layout.swizzle(w2.packed, INT4), keep(w2.scales), keep(w13.offsets), keep(w2.offsets))
-        raise TypeError(f"{cls.__name__}.from_experts takes ExpertWeights or Int4Experts, "
+        raise TypeError(f"{cls.__name__}.from_experts takes Mxfp4Experts or Int4Experts, "
                         f"got {type(experts).__name__}")
 
     # ------------------------------------------------------------------ values
@@ -139,8 +139,8 @@ def require_format(source, wanted: WeightFormat, where: str, prepared: tuple[typ
     """
     if prepared and isinstance(source, prepared):
         return
-    if not isinstance(source, (ExpertWeights, Int4Experts)):
-        names = ", ".join(["ExpertWeights", "Int4Experts", *(t.__name__ for t in prepared)])
+    if not isinstance(source, (Mxfp4Experts, Int4Experts)):
+        names = ", ".join(["Mxfp4Experts", "Int4Experts", *(t.__name__ for t in prepared)])
         raise TypeError(f"{where}: prepare() takes {names}, got {type(source).__name__}")
     got = source.format
     if got.kind != wanted.kind:

@@ -6,7 +6,7 @@ import torch
 
 class PackedShapes:
     """num_experts, hidden_size, intermediate_size and device, read off the w13 codes
-    (the field `W13_FIELD` names: "w13" in prepared forms, "w13_packed" in ExpertWeights)."""
+    (the field `W13_FIELD` names: "w13" in prepared forms, "w13_packed" in Mxfp4Experts)."""
 
     W13_FIELD = "w13"
 

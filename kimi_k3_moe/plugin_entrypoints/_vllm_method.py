@@ -43,7 +43,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs import engine_verdicts
 from kimi_k3_moe.configs.hf_dict import load_config_dict, text_config
 from kimi_k3_moe.dispatch import aiter_situ_path, engine_keeps_layer
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.loading import SelfCheckCache
 from kimi_k3_moe.platform import detect_platform
@@ -219,7 +219,7 @@ def _scale_loader(weight_loader):
     return load
 
 
-def unpad_intermediate(experts: ExpertWeights, unpadded: int | None) -> ExpertWeights:
+def unpad_intermediate(experts: Mxfp4Experts, unpadded: int | None) -> Mxfp4Experts:
     """The experts without K3's intermediate padding (copies), or `experts` itself when unpadded.
 
     Padding keeps whole MXFP4 blocks only when the real size is a multiple
@@ -235,7 +235,7 @@ def unpad_intermediate(experts: ExpertWeights, unpadded: int | None) -> ExpertWe
     def rows(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t[:, :unpadded], t[:, i:i + unpadded]], dim=1)
 
-    return ExpertWeights(rows(experts.w13_packed), rows(experts.w13_scale),
+    return Mxfp4Experts(rows(experts.w13_packed), rows(experts.w13_scale),
                          experts.w2_packed[:, :, :unpadded // 2].clone(),
                          experts.w2_scale[:, :, :unpadded // mxfp4.BLOCK_SIZE].clone())
 

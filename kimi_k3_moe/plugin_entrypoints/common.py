@@ -5,7 +5,7 @@
   gemm1_clamp_limit). Both have defaulted betas in the past, so the adapters
   compare the engine's values with the model's HF config and refuse a mismatch.
 - The parameter table (`EXPERT_PARAMS`), reading the loaded parameters as
-  `ExpertWeights`, releasing the checkpoint bytes, the CUDA-graph capture guard.
+  `Mxfp4Experts`, releasing the checkpoint bytes, the CUDA-graph capture guard.
 - `serve_layer`: the pre-converted int4 lookup (gfx942), then the core's load.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from kimi_k3_moe import __version__
 from kimi_k3_moe.activation import HF_ACTIVATION_NAMES, SITUV2, ActivationSpec, UnsupportedActivationError
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.formats import mxfp4
 
 logger = logging.getLogger("kimi_k3_moe")
@@ -193,9 +193,9 @@ def restore_params(layer: Any, shapes: dict[str, tuple[int, ...]], *, scale_fill
                                                device=device)
 
 
-def layer_experts(layer: Any) -> ExpertWeights:
-    """The layer's loaded parameters as ExpertWeights (no copy)."""
-    return ExpertWeights(layer.w13_weight.data, layer.w13_weight_scale.data,
+def layer_experts(layer: Any) -> Mxfp4Experts:
+    """The layer's loaded parameters as Mxfp4Experts (no copy)."""
+    return Mxfp4Experts(layer.w13_weight.data, layer.w13_weight_scale.data,
                          layer.w2_weight.data, layer.w2_weight_scale.data)
 
 
@@ -243,7 +243,7 @@ def log_engine_keeps_once(engine: str, reason: str) -> None:
                 __version__, engine, reason)
 
 
-def serve_layer(engine: str, activation: ActivationSpec, experts: ExpertWeights, *, platform: Any,
+def serve_layer(engine: str, activation: ActivationSpec, experts: Mxfp4Experts, *, platform: Any,
                 checks: Any, layer_name: str, converted: dict[str, Any] | None) -> Any:
     """A loaded `RoutedExperts` for this layer: from the pre-converted int4 checkpoint when
     `converted_source(platform, **converted)` finds one, else from `experts`."""

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 
 LAYER_PREFIXES = ("language_model.model.layers", "model.layers")
 INDEX_FILE = "model.safetensors.index.json"
@@ -209,8 +209,8 @@ def read_layer_experts(
     tp_size: int = 1,
     experts: Sequence[int] | None = None,
     device: torch.device | str = "cpu",
-) -> ExpertWeights:
-    """One layer's experts as `ExpertWeights`, sliced for this rank.
+) -> Mxfp4Experts:
+    """One layer's experts as `Mxfp4Experts`, sliced for this rank.
 
     Tensor parallelism splits the intermediate dim I (w1/w3 rows, w2
     columns) into `tp_size` equal parts; expert parallelism keeps only
@@ -246,7 +246,7 @@ def read_layer_experts(
         w2_p.append(down_p[:, tp_rank * part // 2:(tp_rank + 1) * part // 2])
         w2_s.append(down_s[:, tp_rank * part // blk:(tp_rank + 1) * part // blk])
     stacked = (torch.stack(w13_p), torch.stack(w13_s), torch.stack(w2_p), torch.stack(w2_s))
-    return ExpertWeights(*(t.contiguous().to(device) for t in stacked))
+    return Mxfp4Experts(*(t.contiguous().to(device) for t in stacked))
 
 
 def read_router(checkpoint: str | Path | CheckpointReader, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

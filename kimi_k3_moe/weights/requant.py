@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.experts import INT4, ExpertWeights, Int4Experts, WeightFormat, require_format
+from kimi_k3_moe.experts import INT4, Mxfp4Experts, Int4Experts, WeightFormat, require_format
 
 # Scratch budget of one chunk. On a GPU a larger chunk amortises the
 # per-class loop of the search (a few hundred small kernels per chunk).
@@ -29,7 +29,7 @@ def conversion_device(preferred: torch.device | str | None, source: torch.device
 
 
 def requantize_experts(
-    experts: ExpertWeights,
+    experts: Mxfp4Experts,
     *,
     method: str = int4.DEFAULT_METHOD,
     chunk_bytes: int | None = None,
@@ -62,14 +62,14 @@ def requantize_experts(
 
 
 def to_format(experts, fmt: WeightFormat, where: str = "the load path"):
-    """`experts` in `fmt`: MXFP4 ExpertWeights as they are, or converted to int4 with `fmt`'s method.
+    """`experts` in `fmt`: MXFP4 Mxfp4Experts as they are, or converted to int4 with `fmt`'s method.
 
     Pre-converted experts (a `kimi-k3-moe convert` checkpoint) are taken only
     when their method is `fmt`'s: methods are never mixed silently. Anything
     else (a backend's own prepared form) passes through for the backend to judge.
     """
-    if fmt.kind == INT4 and isinstance(experts, ExpertWeights):
+    if fmt.kind == INT4 and isinstance(experts, Mxfp4Experts):
         return requantize_experts(experts, method=fmt.method)
-    if isinstance(experts, (ExpertWeights, Int4Experts)):
+    if isinstance(experts, (Mxfp4Experts, Int4Experts)):
         require_format(experts, fmt, where)
     return experts

@@ -5,7 +5,7 @@ import torch
 from moe_helpers import SITU, random_experts, random_routing
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.weights.requant import requantize_experts
@@ -85,7 +85,7 @@ def test_tensor_parallel_partials_sum_to_full(gen):
     for rank in range(tp):
         rows = torch.cat([torch.arange(rank * part, (rank + 1) * part),
                           experts.intermediate_size + torch.arange(rank * part, (rank + 1) * part)])
-        shard = ExpertWeights(experts.w13_packed[:, rows], experts.w13_scale[:, rows],
+        shard = Mxfp4Experts(experts.w13_packed[:, rows], experts.w13_scale[:, rows],
                               experts.w2_packed[..., rank * part // 2:(rank + 1) * part // 2],
                               experts.w2_scale[..., rank * part // 32:(rank + 1) * part // 32])
         total += moe_forward(hidden, *shard.tensors(), weights, ids, SITU, compute_dtype=torch.float64)
@@ -139,6 +139,6 @@ def test_bad_shapes_are_refused(gen):
     with pytest.raises(TypeError, match="topk_ids"):
         moe_forward(torch.zeros(4, 64), *experts.tensors(), weights, ids.float(), SITU)
     with pytest.raises(ValueError, match="w2_packed"):
-        ExpertWeights(experts.w13_packed, experts.w13_scale, experts.w2_packed[:, :, :-1], experts.w2_scale)
+        Mxfp4Experts(experts.w13_packed, experts.w13_scale, experts.w2_packed[:, :, :-1], experts.w2_scale)
     with pytest.raises(TypeError, match="w13_scale"):
-        ExpertWeights(experts.w13_packed, experts.w13_scale.float(), experts.w2_packed, experts.w2_scale)
+        Mxfp4Experts(experts.w13_packed, experts.w13_scale.float(), experts.w2_packed, experts.w2_scale)

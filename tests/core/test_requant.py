@@ -4,7 +4,7 @@ import torch
 
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels import get_backend
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.weights.peak_memory import measure_peak
 from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.weights.requant import conversion_device, requantize_experts
@@ -19,7 +19,7 @@ def random_experts(gen, e=6, h=256, i=64):
 
     w13_p, w13_s = quantized(2 * i, h)
     w2_p, w2_s = quantized(h, i)
-    return ExpertWeights(w13_p, w13_s, w2_p, w2_s)
+    return Mxfp4Experts(w13_p, w13_s, w2_p, w2_s)
 
 
 def same_bits(a: Int4Experts, b: Int4Experts) -> bool:

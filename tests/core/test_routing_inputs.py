@@ -6,7 +6,7 @@ import torch
 
 from moe_helpers import SITU
 from kimi_k3_moe import settings
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.reference import check_expert_ids, local_slots
@@ -20,7 +20,7 @@ def problem(gen):
         return mxfp4.quantize(torch.randn(E, rows, cols, generator=gen) * 0.5)
     w13_p, w13_s = linear(2 * I, H)
     w2_p, w2_s = linear(H, I)
-    experts = ExpertWeights(w13_p, w13_s, w2_p, w2_s)
+    experts = Mxfp4Experts(w13_p, w13_s, w2_p, w2_s)
     hidden = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
     weights = torch.rand(T, K, generator=gen)

@@ -7,7 +7,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice
 from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.weights.requant import requantize_experts
 from kimi_k3_moe.weights.validate import MAX_SCALE_BYTE, WeightValidationError, find_problems, validate_experts
@@ -19,7 +19,7 @@ SITU = ActivationSpec.situv2(4.0, 25.0)
 def random_experts(gen):
     def linear(rows, cols):
         return mxfp4.quantize(torch.randn(E, rows, cols, generator=gen) * 3 / cols ** 0.5)
-    return ExpertWeights(*linear(2 * I, H), *linear(H, I))
+    return Mxfp4Experts(*linear(2 * I, H), *linear(H, I))
 
 
 def torch_layer():

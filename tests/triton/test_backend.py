@@ -224,19 +224,19 @@ def test_bad_inputs_are_named(problem):
         backend.forward(prepared, hidden, weights, ids, SITU, out=torch.empty(3, 7))
     with pytest.raises(ValueError, match="weight_format"):
         get_backend("triton", weight_format="fp8")
-    with pytest.raises(TypeError, match="ExpertWeights"):
+    with pytest.raises(TypeError, match="Mxfp4Experts"):
         backend.prepare(object())
 
 
 def test_prepare_says_once_when_a_layer_needs_the_two_multiply_decoder(gen, caplog):
     import logging
 
-    from kimi_k3_moe.experts import ExpertWeights
+    from kimi_k3_moe.experts import Mxfp4Experts
     from kimi_k3_moe.kernels.triton import backend as triton_backend
     ex = P.experts(gen, e=2, h=128, i=64)
     scale = ex.w2_scale.clone()
     scale[0, 0, 0] = 200
-    wide = ExpertWeights(ex.w13_packed, ex.w13_scale, ex.w2_packed, scale)
+    wide = Mxfp4Experts(ex.w13_packed, ex.w13_scale, ex.w2_packed, scale)
     triton_backend._log_wide_scales_once.cache_clear()
     backend = get_backend("triton", config=GEMV)
     with caplog.at_level(logging.INFO, logger=triton_backend.__name__):

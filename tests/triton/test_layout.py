@@ -7,7 +7,7 @@ import torch
 
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.formats.bf16 import round_once
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.kernels.triton import layout
 from kimi_k3_moe.kernels.triton._details import constants as C, decode
 
@@ -186,7 +186,7 @@ def test_ptx_int4_decoder_rounds_once_where_float32_rounds_twice():
 def test_prepared_experts_decode_to_their_source(gen):
     w13 = torch.randn(3, 64, 96, generator=gen)
     w2 = torch.randn(3, 96, 32, generator=gen)
-    experts = ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    experts = Mxfp4Experts(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
     prepared = layout.from_mxfp4(*experts.tensors())
     conv = int4.requantize(experts.w13_packed, experts.w13_scale), int4.requantize(experts.w2_packed, experts.w2_scale)
     off = [int4.Int4Weights(c.packed, c.scales, "test", (torch.randn(c.scales.shape, generator=gen) * 0.1).bfloat16())
@@ -216,7 +216,7 @@ def test_wide_scales_is_read_once_from_the_scales_at_prepare(gen):
     from kimi_k3_moe.kernels.triton.aot import meta_experts
     from kimi_k3_moe.kernels.triton.stage1 import decode_code
     w13, w2 = torch.randn(2, 64, 96, generator=gen), torch.randn(2, 96, 32, generator=gen)
-    experts = ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    experts = Mxfp4Experts(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
     assert int(experts.w13_scale.max()) <= C.MXFP4_FOLD_MAX_SCALE
     assert layout.from_mxfp4(*experts.tensors()).wide_scales is False
     for name in ("w13_scale", "w2_scale"):

@@ -7,7 +7,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
 from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.weights.validate import WeightValidationError
 
@@ -18,7 +18,7 @@ SITU = ActivationSpec.situv2(4.0, 25.0)
 def experts_with_a_nan_scale(gen, expert):
     def linear(rows, cols):
         return mxfp4.quantize(torch.randn(E, rows, cols, generator=gen) * 3 / cols ** 0.5)
-    experts = ExpertWeights(*linear(2 * I, H), *linear(H, I))
+    experts = Mxfp4Experts(*linear(2 * I, H), *linear(H, I))
     experts.w13_scale[expert, 3, 0] = 0xFF  # w1 (gate) row 3
     return experts
 

@@ -6,7 +6,7 @@ import torch
 from moe_helpers import random_experts, random_routing
 
 from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 
 E, H, I, TOPK = 6, 128, 64, 3
 
@@ -18,7 +18,7 @@ ALIGNED_NOSWAP = replace(ALIGNED, block_m=32, stage1=replace(ALIGNED.stage1, swa
                          stage2=replace(ALIGNED.stage2, swap=False))
 
 
-def experts(gen, e=E, h=H, i=I) -> ExpertWeights:
+def experts(gen, e=E, h=H, i=I) -> Mxfp4Experts:
     return random_experts(gen, e, h, i, gain=4.0)
 
 

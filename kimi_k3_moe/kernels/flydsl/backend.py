@@ -17,7 +17,7 @@ import torch
 
 from kimi_k3_moe.act_quant import BF16, ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import ExpertWeights, Int4Experts, WeightFormat
+from kimi_k3_moe.experts import Mxfp4Experts, Int4Experts, WeightFormat
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels.flydsl import SPEC, supported_act_dtypes, supported_weight_formats
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
@@ -115,7 +115,7 @@ class FlyDSLBackend(MoEBackend):
     # ------------------------------------------------------------------ weights
     prepared_types = (FlyDSLExperts,)
 
-    def prepare(self, experts: ExpertWeights | Int4Experts | FlyDSLExperts) -> FlyDSLExperts:
+    def prepare(self, experts: Mxfp4Experts | Int4Experts | FlyDSLExperts) -> FlyDSLExperts:
         if self.arch is None:
             raise BackendUnavailable("flydsl: no arch given and no AMD GPU detected")
         prepared = super().prepare(experts)
@@ -128,12 +128,12 @@ class FlyDSLBackend(MoEBackend):
             raise BackendUnavailable(f"flydsl cannot serve this layer: {exc}") from exc
         return prepared
 
-    def lay_out(self, experts: ExpertWeights | Int4Experts) -> FlyDSLExperts:
-        if isinstance(experts, ExpertWeights):
+    def lay_out(self, experts: Mxfp4Experts | Int4Experts) -> FlyDSLExperts:
+        if isinstance(experts, Mxfp4Experts):
             for name, scale in (("w13_scale", experts.w13_scale), ("w2_scale", experts.w2_scale)):
                 nan = int((scale == mxfp4.E8M0_NAN).sum())
                 if nan:
-                    raise ValueError(f"ExpertWeights.{name} holds {nan} NaN scale byte(s) (0xFF)")
+                    raise ValueError(f"Mxfp4Experts.{name} holds {nan} NaN scale byte(s) (0xFF)")
         return FlyDSLExperts.from_experts(experts)
 
     # ------------------------------------------------------------------ running

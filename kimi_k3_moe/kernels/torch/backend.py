@@ -16,7 +16,7 @@ import torch
 
 from kimi_k3_moe.act_quant import BF16, ActQuant
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import MXFP4, ExpertWeights, Int4Experts, WeightFormat
+from kimi_k3_moe.experts import MXFP4, Mxfp4Experts, Int4Experts, WeightFormat
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.torch import SPEC
 from kimi_k3_moe.kernels.base import MoEBackend
@@ -47,7 +47,7 @@ class TorchBackend(MoEBackend):
     def available(self) -> tuple[bool, str]:
         return True, "PyTorch runs everywhere"
 
-    def lay_out(self, experts: ExpertWeights | Int4Experts) -> ExpertWeights | Int4Experts:
+    def lay_out(self, experts: Mxfp4Experts | Int4Experts) -> Mxfp4Experts | Int4Experts:
         """The experts as they are: this backend decodes the formats' own layout."""
         return experts
 

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from kimi_k3_moe.experts import KINDS, MXFP4, ExpertWeights, Int4Experts, Layout, PackedExperts
+from kimi_k3_moe.experts import KINDS, MXFP4, Mxfp4Experts, Int4Experts, Layout, PackedExperts
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels.triton._details import constants as C
 
@@ -128,7 +128,7 @@ class TritonExperts(PackedExperts):
 
 
 def from_mxfp4(w13_packed, w13_scale, w2_packed, w2_scale) -> TritonExperts:
-    return TritonExperts.from_experts(ExpertWeights(w13_packed, w13_scale, w2_packed, w2_scale))
+    return TritonExperts.from_experts(Mxfp4Experts(w13_packed, w13_scale, w2_packed, w2_scale))
 
 
 def from_int4(w13: int4.Int4Weights, w2: int4.Int4Weights) -> TritonExperts:

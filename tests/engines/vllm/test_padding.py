@@ -9,7 +9,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice
 from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.experts import ExpertWeights
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.reference import relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 
@@ -19,7 +19,7 @@ H, I, PADDED, E = 64, 32, 128, 3
 def _experts(gen):
     w13 = torch.randn(E, 2 * I, H, generator=gen) * 2
     w2 = torch.randn(E, H, I, generator=gen) * 0.3
-    return ExpertWeights(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
+    return Mxfp4Experts(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
 
 
 def _padded(experts):
@@ -31,7 +31,7 @@ def _padded(experts):
     for full, src in ((w13p, experts.w13_packed), (w13s, experts.w13_scale)):
         full[:, :I], full[:, PADDED:PADDED + I] = src[:, :I], src[:, I:]
     w2p[:, :, :I // 2], w2s[:, :, :I // 32] = experts.w2_packed, experts.w2_scale
-    return ExpertWeights(w13p, w13s, w2p, w2s)
+    return Mxfp4Experts(w13p, w13s, w2p, w2s)
 
 
 @pytest.mark.parametrize("activation", [SITU, ActivationSpec.silu()])
