@@ -172,12 +172,12 @@ test-triton: venv
 	TRITON_INTERPRET=1 $(PYTEST) tests/triton
 
 # Under the venv's Triton, then for sm_90 under each Triton a shipped entry must run with, put
-# first on the path over the same torch: the H200 table's own (its tuned_with.triton), so its
+# first on the path over the same torch: each H200 table section's own (its tuned_with.triton), so its
 # entries are judged for spills by the compiler that runs them, and the engines' users' (vLLM
 # 0.33 and SGLang 0.5.23 pin torch 2.14, which pins triton~=3.8.0), where every entry must
 # compile and its spills are reported, failing only for entries tuned with that Triton
 # (tests/compile: same_triton). One run when both are the same version.
-TABLE_TRITON := $(shell python3 -c "import json; print(json.load(open('kimi_k3_moe/configs/tables/triton_nvidia_h200.json'))['tuned_with']['triton'])")
+TABLE_TRITON := $(shell python3 -c "import json; t = json.load(open('kimi_k3_moe/configs/tables/triton_nvidia_h200.json')); print(' '.join(s['tuned_with']['triton'] for s in t['tritons'].values()))")
 USER_TRITON ?= 3.8.0
 AOT_TRITONS := $(sort $(TABLE_TRITON) $(USER_TRITON))
 define aot-under

@@ -3,8 +3,9 @@
 Compiles each config's stage launches ahead of time (kernels/triton/aot.py) for one target and
 prints a table; the configs are a device table's tiers or a candidates file
 (`--configs`: JSON {tokens: {name: MoEConfig json}}). Run it under the Triton the configs will run with
-(the H200 table's `tuned_with.triton`: `PYTHONPATH=.triton-3.6.0`, which `make test-compile-triton`
-installs): register allocation moves between Triton releases.
+(a table section's version, e.g. `PYTHONPATH=.triton-3.8.0`, which `make test-compile-triton`
+installs; the section of the running Triton is read, else the nearest): register allocation moves
+between Triton releases.
 
     python benchmarks/triton_resources.py --tokens 4096,16384                 # the H200 table's TP8 MXFP4 entries
     python benchmarks/triton_resources.py --configs F --json out.json         # candidates beside them
@@ -32,10 +33,13 @@ STAGES = ("stage1.aligned", "stage2.aligned", "stage1.gemv", "stage2.gemv")
 SITU = ActivationSpec.situv2(4.0, 25.0)
 
 
-def table_tiers(table: str, key: str) -> dict[str, MoEConfig]:
+def table_tiers(table: str, key: str, triton: str) -> dict[str, MoEConfig]:
+    """The entry's tiers in the section of Triton `triton` (the nearest version that has the entry)."""
     path = Path(str(resources.files("kimi_k3_moe.configs").joinpath("tables", f"{table}.json")))
-    tiers = json.loads(path.read_text())["entries"][key]["tiers"]
-    return {t: MoEConfig.from_json(c) for t, c in tiers.items()}
+    data = json.loads(path.read_text())
+    version = next(v for v in tt.versions_nearest_first(data, triton) if key in data["tritons"][v]["entries"])
+    print(f"{table} {key}: the entries tuned under Triton {version}")
+    return {t: MoEConfig.from_json(c) for t, c in data["tritons"][version]["entries"][key]["tiers"].items()}
 
 
 def rows_for(fmt: str, shape: tuple[int, int, int], tokens: int, name: str, cfg: MoEConfig, target: str,
@@ -64,12 +68,13 @@ def main() -> int:
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--configs", help="JSON {tokens: {name: MoEConfig json}} compiled beside the table's entry")
     ap.add_argument("--target", default="sm_90")
+    ap.add_argument("--triton", default=None, help="the table section (Triton major.minor; default: the running one)")
     ap.add_argument("--offsets", action="store_true", help="int4 with offsets")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     import triton
     fmt, e, n, k = tt.parse_shape_key(args.key)
-    tiers = table_tiers(args.table, args.key)
+    tiers = table_tiers(args.table, args.key, args.triton or tt.triton_version())
     given = json.load(open(args.configs)) if args.configs else {}
     rows = []
     print(f"triton {triton.__version__}, target {args.target}, {args.key}", flush=True)

@@ -4,7 +4,8 @@ Each (shape, weight format) runs the package's tune loop (kimi_k3_moe/tune: the
 candidates of kernels/triton/tuning_space.py, the packaged config among them,
 compile/spill skip, the reference check, graph timing, resumable state) into a
 scratch user-table folder; the entries are then written as the packaged table
-kimi_k3_moe/configs/tables/triton_<device>.json (or --out), measurements kept.
+kimi_k3_moe/configs/tables/triton_<device>.json (or --out), measurements kept, as the section of the
+running Triton (major.minor); the sections of other Triton versions stay as they are.
 
     python benchmarks/tune_triton.py [--shapes tp8,tp16] [--formats mxfp4,int4] [--budget-s 900] [--merge]
 """
@@ -43,7 +44,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=900)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None, help="table path (default: the package's table for this GPU)")
-    ap.add_argument("--merge", action="store_true", help="keep entries of an existing table not tuned now")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep this Triton's entries of an existing table that are not tuned now")
     ap.add_argument("--quick-secondary", action="store_true",
                     help="only the first candidates per stage for entries other than tp8/mxfp4")
     ap.add_argument("--scratch", default=None, help="user-table folder for the runs (resumable; default: temp)")
@@ -53,11 +55,16 @@ def main() -> int:
     identity = user_tables.device_identity()
     out_path = args.out or str(tt.table_path(identity["key"]))
     tiers = [int(t) for t in args.tiers.split(",")]
-    table = {"format_version": 1, "device": identity["name"], "device_key": identity["key"],
-             "tuned_with": run_info(), "tiers": tiers, "activation_tuned": str(SITU), "entries": {}}
-    if args.merge and os.path.exists(out_path):
+    # the running Triton's section is (re)written; other versions' sections are kept as they are
+    table = {"format_version": tt.TABLE_FORMAT, "device": identity["name"], "device_key": identity["key"],
+             "activation_tuned": str(SITU), "tritons": {}}
+    if os.path.exists(out_path):
         with open(out_path) as f:
-            table["entries"].update(json.load(f).get("entries", {}))
+            table["tritons"] = json.load(f).get("tritons", {})
+    version = identity["triton"]
+    kept = table["tritons"].get(version, {}).get("entries", {}) if args.merge else {}
+    table["tritons"][version] = {"tuned_with": run_info(), "tiers": tiers, "entries": dict(kept)}
+    section = table["tritons"][version]
     jobs = [(s, f) for s in args.shapes.split(",") for f in args.formats.split(",")]
     deadline = time.monotonic() + args.budget_s
     for n, (shape_name, fmt) in enumerate(jobs):
@@ -71,7 +78,7 @@ def main() -> int:
         state = user_tables.table_path("triton", identity["key"]).with_suffix(f".{shape_name}.{fmt}.state.json")
         result = run_with_progress(target, SITU, GraphTimer(reps=args.reps), budget, state, seed=1234 + n)
         user, _ = user_tables.load(tt.USER_TABLE, identity)
-        table["entries"][result["key"]] = user["entries"][result["key"]]
+        section["entries"][result["key"]] = user["entries"][result["key"]]
         write_json(out_path, table)
         write_json(str(state.with_suffix(".log.json")), result["outcomes"])
         log(f"{result['key']}: " + ", ".join(f"{t}: {i.get('us', float('nan')):.1f} us"

@@ -1,8 +1,13 @@
 """Tile configurations of the Triton MoE backend: tuned tables and a heuristic.
 
 A table (JSON under configs/tables/, one file per device, written by
-benchmarks/tune_triton.py) maps (weight format, shape E/N/K, token tier) to a
-`MoEConfig`. The lookup rule is the only rule, for every token count:
+benchmarks/tune_triton.py) holds one section per Triton version (major.minor) the
+entries were tuned under; each maps (weight format, shape E/N/K, token tier) to a
+`MoEConfig`. The running Triton's section serves. Without an entry there, the
+nearest version's entry serves only after the caller's check (the backend compiles
+its launches under the running Triton and refuses spills; once per config), else the
+heuristic; the lookup's `source` says which. The tier rule is the only rule, for
+every token count:
 
     tier = the smallest tuned tier >= T, or the largest tier when T exceeds all
 
@@ -13,6 +18,7 @@ which is valid for every T too. Plain Python: importing this needs no triton.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
@@ -20,6 +26,7 @@ from pathlib import Path
 
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.configs.user_tables import device_key  # noqa: F401  (the packaged tables' file names)
+from kimi_k3_moe.configs.user_tables import triton_version
 
 PATHS = ("gemv", "aligned", "direct")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
@@ -29,6 +36,7 @@ BLOCK_MS = (16, 32, 48, 64, 96, 128, 160, 192, 256)
 DIRECT_BLOCK_M = 16
 TABLE_PACKAGE = "kimi_k3_moe.configs"
 TABLE_DIR = "tables"
+TABLE_FORMAT = 2
 
 
 def row_tiles(block_m: int) -> tuple[int, int]:
@@ -201,9 +209,36 @@ def load_table(dev_key: str) -> dict | None:
         return None
     with open(path) as f:
         table = json.load(f)
-    if table.get("format_version") != 1:
-        raise ValueError(f"{path}: unsupported format_version {table.get('format_version')!r}")
+    check_table(table, str(path))
     return table
+
+
+def check_table(table: dict, what: str) -> None:
+    if table.get("format_version") != TABLE_FORMAT:
+        raise ValueError(f"{what}: unsupported format_version {table.get('format_version')!r}")
+    tritons = table.get("tritons")
+    if not isinstance(tritons, dict) or not tritons:
+        raise ValueError(f"{what}: no 'tritons' sections (Triton major.minor -> tuned entries)")
+    for version, section in tritons.items():
+        if not _version_tuple(version) or not isinstance(section.get("entries"), dict):
+            raise ValueError(f"{what}: section {version!r} must be a Triton major.minor holding 'entries'")
+
+
+def _version_tuple(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def versions_nearest_first(table: dict, running: str) -> list[str]:
+    """The table's Triton versions: the running one first, then by distance (the newer on a tie)."""
+    want = _version_tuple(running) or (0, 0)
+
+    def distance(v):
+        major, minor = _version_tuple(v)
+        return abs((major - want[0]) * 1000 + minor - want[1]), -major, -minor
+    return sorted(table.get("tritons", {}), key=distance)
 
 
 def tiers_of(entry: dict) -> list[int]:
@@ -221,8 +256,21 @@ def _user_tiers(entry: dict) -> list[int]:
     return tiers_of(entry) if isinstance(entry, dict) and isinstance(entry.get("tiers"), dict) else []
 
 
+def describe_packaged(identity: dict) -> str:
+    """Which section of this device's packaged table serves under the running Triton (doctor, the log)."""
+    table = load_table(identity["key"])
+    if table is None:
+        return f"none for {identity['name']}: the heuristic serves"
+    running = identity.get("triton") or triton_version()
+    versions = versions_nearest_first(table, running)
+    if running in table["tritons"]:
+        return f"{identity['key']}: Triton {running}'s entries serve (sections {', '.join(sorted(versions))})"
+    return (f"{identity['key']}: no entries for Triton {running}; Triton {versions[0]}'s serve where they compile "
+            f"without spills under {running}, else the heuristic")
+
+
 # what `kimi-k3-moe tune` writes for this backend (configs/user_tables.py reads and checks it)
-USER_TABLE = user_tables.TableKind("triton", _user_tiers, _check_user_entry)
+USER_TABLE = user_tables.TableKind("triton", _user_tiers, _check_user_entry, describe_packaged)
 
 
 def _user_entry(dev_key: str, fmt: str, num_experts: int, n: int, k: int):
@@ -245,9 +293,8 @@ def pick_tier(tiers: list[int], num_tokens: int) -> int:
     return tiers[-1]
 
 
-def find_entry(table: dict, fmt: str, num_experts: int, n: int, k: int) -> tuple[str, dict] | None:
+def find_entry(entries: dict, fmt: str, num_experts: int, n: int, k: int) -> tuple[str, dict] | None:
     """Exact shape first; else the same (N, K) tuned with another expert count (EP slices)."""
-    entries = table.get("entries", {})
     key = shape_key(fmt, num_experts, n, k)
     if key in entries:
         return key, entries[key]
@@ -258,27 +305,57 @@ def find_entry(table: dict, fmt: str, num_experts: int, n: int, k: int) -> tuple
     return None
 
 
+def find_versioned(table: dict, running: str, fmt: str, num_experts: int, n: int,
+                   k: int) -> tuple[str, str, dict] | None:
+    """(Triton version, key, entry): the running version's section first, then the nearest that has the shape."""
+    for version in versions_nearest_first(table, running):
+        found = find_entry(table["tritons"][version]["entries"], fmt, num_experts, n, k)
+        if found is not None:
+            return (version, *found)
+    return None
+
+
+# verify(config, fmt, num_experts, hidden, inter, tier) -> None when the config compiles under the running
+# Triton without spills, else why not (the backend's check; lookups without one serve foreign entries unchecked)
+Verify = Callable[[MoEConfig, str, int, int, int, int], "str | None"]
+
+
 def lookup(dev_key: str, fmt: str, num_experts: int, hidden: int, inter: int, num_tokens: int,
-           *, is_cuda: bool, table: dict | None = None) -> Lookup:
-    """The config for `num_tokens` tokens; valid for every num_tokens >= 0."""
-    # a valid user table (kimi-k3-moe tune) for exactly this device and shape comes first
+           *, is_cuda: bool, table: dict | None = None, triton: str | None = None,
+           verify: Verify | None = None) -> Lookup:
+    """The config for `num_tokens` tokens; valid for every num_tokens >= 0. `triton`: the running
+    Triton's major.minor (default: this process's)."""
+    running = triton_version() if triton is None else triton
+    # a valid user table (kimi-k3-moe tune, under this Triton) for exactly this device and shape comes first
     user = _user_entry(dev_key, fmt, num_experts, 2 * inter, hidden) if table is None else None
+    version = running
     if user is not None:
         found, origin = user
     else:
         table = load_table(dev_key) if table is None else table
-        found, origin = None if table is None else find_entry(table, fmt, num_experts, 2 * inter, hidden), \
-            f"table {dev_key}"
-    if found is not None:
-        key, entry = found
-        tier = pick_tier(tiers_of(entry), num_tokens)
-        cfg = MoEConfig.from_json(entry["tiers"][str(tier)]).for_target(is_cuda)
-        try:
-            return Lookup(cfg.validate(hidden, inter), f"{origin} {key} tier {tier}")
-        except ValueError as exc:
-            raise ValueError(f"tuned config {dev_key} {key} tier {tier} is invalid for "
-                             f"H={hidden}, I={inter}: {exc}") from exc
-    return Lookup(heuristic_config(hidden, inter, num_tokens, is_cuda=is_cuda), "heuristic")
+        hit = None if table is None else find_versioned(table, running, fmt, num_experts, 2 * inter, hidden)
+        found = None if hit is None else hit[1:]
+        version = running if hit is None else hit[0]
+        origin = f"table {dev_key} triton {version}"
+    if found is None:
+        return Lookup(heuristic_config(hidden, inter, num_tokens, is_cuda=is_cuda), "heuristic")
+    key, entry = found
+    tier = pick_tier(tiers_of(entry), num_tokens)
+    cfg = MoEConfig.from_json(entry["tiers"][str(tier)]).for_target(is_cuda)
+    try:
+        cfg.validate(hidden, inter)
+    except ValueError as exc:
+        raise ValueError(f"tuned config {dev_key} {key} tier {tier} is invalid for "
+                         f"H={hidden}, I={inter}: {exc}") from exc
+    source = f"{origin} {key} tier {tier}"
+    if version == running:
+        return Lookup(cfg, source)
+    why = "not checked" if verify is None else verify(cfg, fmt, num_experts, hidden, inter, tier)
+    if verify is not None and why:
+        return Lookup(heuristic_config(hidden, inter, num_tokens, is_cuda=is_cuda),
+                      f"heuristic ({source}, tuned under Triton {version}: {why} under Triton {running})")
+    checked = "not checked" if why else "compiled without spills"
+    return Lookup(cfg, f"{source} (tuned under Triton {version}; {checked} under Triton {running})")
 
 
 def _fit_block_k(k: int, want: int) -> int:

@@ -2,8 +2,8 @@
 
 A user table lives in `$KIMI_K3_MOE_TABLES` (default `$XDG_CACHE_HOME/kimi-k3-moe/tables`,
 i.e. ~/.cache/...), one file per backend and device. It serves only where it was
-measured: the same device name, arch and driver/ROCm version, written by the
-same package version, for the exact layer shape, with every token tier it
+measured: the same device name, arch, driver/ROCm version and Triton major.minor
+(register allocation moves between Triton releases), written by the same package version, for the exact layer shape, with every token tier it
 declares. Anything else (corrupt JSON, another device, another version, a
 missing tier) is refused with a one-line message and the packaged table serves.
 What an entry holds is the backend's business: each tabled backend declares a
@@ -45,6 +45,7 @@ class TableKind:
     tiers_of: Callable[[dict], list]        # an entry -> the token tiers it holds
     check: Callable[[str, dict], None]      # (key, entry) -> None; raises ValueError, KeyError, TypeError
                                             # or IndexError on a config its backend cannot run
+    packaged: Callable[[dict], str] | None = None   # device identity -> what the packaged table holds here
 
 
 def device_key(name: str) -> str:
@@ -78,18 +79,29 @@ def _driver_version() -> str:
     return f"cuda {torch.version.cuda}"
 
 
+def triton_version() -> str:
+    """The running Triton's major.minor ('3.8'), what tuned tables are keyed by; 'none' without one."""
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return ".".join(triton.__version__.split(".")[:2])
+
+
 @lru_cache(maxsize=None)
 def device_identity(device: int = 0) -> dict:
-    """What a table is valid for: device name, its key, arch, driver/ROCm version."""
+    """What a table is valid for: device name, its key, arch, driver/ROCm version, Triton major.minor."""
     import torch
     if not torch.cuda.is_available():
-        return {"name": INTERPRETER, "key": INTERPRETER, "arch": INTERPRETER, "driver": "none"}
+        return {"name": INTERPRETER, "key": INTERPRETER, "arch": INTERPRETER, "driver": "none",
+                "triton": triton_version()}
     props = torch.cuda.get_device_properties(device)
     if getattr(torch.version, "hip", None):
         arch = getattr(props, "gcnArchName", "").split(":")[0]
     else:
         arch = f"sm_{props.major}{props.minor}"
-    return {"name": props.name, "key": device_key(props.name), "arch": arch, "driver": _driver_version()}
+    return {"name": props.name, "key": device_key(props.name), "arch": arch, "driver": _driver_version(),
+            "triton": triton_version()}
 
 
 # ---------------------------------------------------------------- validation
@@ -107,6 +119,9 @@ def validate(table: dict, *, kind: TableKind, identity: dict, path: Path | str =
     dev = table.get("device")
     if not isinstance(dev, dict):
         raise UserTableError(f"user table {path}: device {dev!r} is not a JSON object")
+    if dev.get("triton") != identity.get("triton"):
+        raise UserTableError(f"user table {path}: tuned under Triton {dev.get('triton')}, this is Triton "
+                             f"{identity.get('triton')}; retune with `kimi-k3-moe tune`")
     for field in ("name", "arch", "driver"):
         if dev.get(field) != identity.get(field):
             raise UserTableError(f"user table {path}: tuned on {dev.get('name')!r} ({dev.get('arch')}, "
@@ -175,8 +190,9 @@ def describe(kind: TableKind) -> str:
     table, path = load(kind)
     if table is not None:
         return f"user table {path} (tuned {table.get('written', '?')}, {len(table['entries'])} shape(s))"
-    why = _messages.get(str(path))
-    return f"packaged table ({why})" if why else f"packaged table (no user table at {path})"
+    why = _messages.get(str(path)) or f"no user table at {path}"
+    held = f"{kind.packaged(device_identity())}; " if kind.packaged else ""
+    return f"packaged table ({held}{why})"
 
 
 def clear_cache() -> None:

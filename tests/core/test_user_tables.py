@@ -45,6 +45,8 @@ def rewrite(path, **changes):
     for key, value in changes.items():
         if key == "device_name":
             table["device"]["name"] = value
+        elif key == "triton":
+            table["device"]["triton"] = value
         elif key == "drop_tier":
             for entry in table["entries"].values():
                 del entry["tiers"][value]
@@ -56,6 +58,7 @@ def rewrite(path, **changes):
 @pytest.mark.parametrize("damage, message", [
     ("corrupt", "not valid JSON"),
     ("device", "tuned on 'NVIDIA H100'"),
+    ("triton", "tuned under Triton 3.1, this is Triton"),
     ("version", "written by kimi-k3-moe '0.0.1'"),
     ("tiers", "lacks token tiers [4]"),
     ("schema", "not a kimi-k3-moe user table"),
@@ -69,6 +72,8 @@ def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, da
         path.write_text(path.read_text()[:-40])
     elif damage == "device":
         rewrite(path, device_name="NVIDIA H100")
+    elif damage == "triton":
+        rewrite(path, triton="3.1")
     elif damage == "version":
         rewrite(path, package_version="0.0.1")
     elif damage == "tiers":
@@ -119,7 +124,14 @@ def test_flydsl_user_table_is_read_by_the_tile_lookup_for_its_arch_and_shape(tab
 def test_doctor_and_the_plugin_log_line_name_the_serving_table(tables):
     from kimi_k3_moe import doctor
     from kimi_k3_moe.plugin_entrypoints import common
-    assert common._table_line("triton[mxfp4]").startswith("packaged table (no user table at ")
+    assert common._table_line("triton[mxfp4]").startswith("packaged table (none for interpreter: the heuristic "
+                                                          "serves; no user table at ")
+    h200 = {"name": "NVIDIA H200", "key": "nvidia_h200"}
+    assert tt.describe_packaged({**h200, "triton": "3.8"}) == \
+        "nvidia_h200: Triton 3.8's entries serve (sections 3.6, 3.8)"
+    assert tt.describe_packaged({**h200, "triton": "3.9"}) == ("nvidia_h200: no entries for Triton 3.9; Triton "
+                                                               "3.8's serve where they compile without spills "
+                                                               "under 3.9, else the heuristic")
     path = user_tables.write(tt.USER_TABLE, user_tables.device_identity(), TIERS, triton_entries())
     assert common._table_line("triton[mxfp4]").startswith(f"user table {path}")
     assert doctor._tables_line("triton").startswith(f"tiles: user table {path}")

@@ -21,22 +21,23 @@ def shipped_tables():
     return sorted(folder.glob("triton_*.json"))
 
 
-def synthetic_table():
+def synthetic_table(version="3.8"):
     tiers = {str(t): MoEConfig("gemv" if t <= 8 else "aligned", 16 if t <= 64 else 64).to_json()
              for t in (1, 4, 8, 64, 1024, 16384)}
-    return {"format_version": 1, "entries": {tt.shape_key("mxfp4", 896, 768, 3584): {"tiers": tiers}}}
+    return {"format_version": 2, "tritons": {version: {"entries": {
+        tt.shape_key("mxfp4", 896, 768, 3584): {"tiers": tiers}}}}}
 
 
 def probe_tokens(tiers):
     return sorted({1, *tiers, *(t + 1 for t in tiers), *(max(1, t - 1) for t in tiers), *FAR})
 
 
-def check_entry(table, dev, fmt, e, h, i):
-    _, entry = tt.find_entry(table, fmt, e, 2 * i, h)
+def check_entry(table, dev, fmt, e, h, i, version="3.8"):
+    _, entry = tt.find_entry(table["tritons"][version]["entries"], fmt, e, 2 * i, h)
     tiers = tt.tiers_of(entry)
     for t in probe_tokens(tiers):
         for is_cuda in (True, False):
-            found = tt.lookup(dev, fmt, e, h, i, t, is_cuda=is_cuda, table=table)
+            found = tt.lookup(dev, fmt, e, h, i, t, is_cuda=is_cuda, table=table, triton=version)
             expected = next((x for x in tiers if t <= x), tiers[-1])
             assert found.source.endswith(f"tier {expected}"), (t, found.source)
             assert found.source != "heuristic"
@@ -48,29 +49,66 @@ def check_entry(table, dev, fmt, e, h, i):
 def test_synthetic_table_edges():
     check_entry(synthetic_table(), "x", "mxfp4", 896, 3584, 384)
     # the same (N, K) with another expert count (an EP slice) uses the tuned entry
-    found = tt.lookup("x", "mxfp4", 112, 3584, 384, 5, is_cuda=True, table=synthetic_table())
+    found = tt.lookup("x", "mxfp4", 112, 3584, 384, 5, is_cuda=True, table=synthetic_table(), triton="3.8")
     assert found.source.endswith("tier 8") and found.config.path == "gemv"
+
+
+def test_the_running_tritons_entries_serve_else_the_nearest_versions_after_the_check():
+    """Tables know their Triton (register allocation moves between releases): the running version's
+    section serves as it is; another version's entry serves only once the caller's check (the backend
+    compiles it under the running Triton and refuses spills) passed, else the heuristic; the source
+    says which."""
+    table = synthetic_table("3.6")
+    table["tritons"]["3.9"] = synthetic_table("3.9")["tritons"]["3.9"]
+    calls = []
+
+    def ok(cfg, fmt, e, h, i, tier):
+        calls.append(tier)
+        return None
+
+    mine = tt.lookup("x", "mxfp4", 896, 3584, 384, 64, is_cuda=True, table=table, triton="3.6", verify=ok)
+    assert mine.source == "table x triton 3.6 mxfp4/E896_N768_K3584 tier 64" and calls == []
+    assert tt.versions_nearest_first(table, "3.8") == ["3.9", "3.6"]       # one minor away each: the newer
+    assert tt.versions_nearest_first(table, "3.7") == ["3.6", "3.9"]
+    near = tt.lookup("x", "mxfp4", 896, 3584, 384, 64, is_cuda=True, table=table, triton="3.8", verify=ok)
+    assert near.source == ("table x triton 3.9 mxfp4/E896_N768_K3584 tier 64 (tuned under Triton 3.9; "
+                           "compiled without spills under Triton 3.8)") and calls == [64]
+    refused = tt.lookup("x", "mxfp4", 896, 3584, 384, 64, is_cuda=True, table=table, triton="3.8",
+                        verify=lambda *a: "stage2.aligned spills 8 bytes")
+    assert refused.source.startswith("heuristic (table x triton 3.9 mxfp4/E896_N768_K3584 tier 64, tuned under "
+                                     "Triton 3.9: stage2.aligned spills 8 bytes under Triton 3.8)")
+    assert refused.config == tt.heuristic_config(3584, 384, 64, is_cuda=True)
+    unchecked = tt.lookup("x", "mxfp4", 896, 3584, 384, 64, is_cuda=True, table=table, triton="3.8")
+    assert unchecked.source.endswith("(tuned under Triton 3.9; not checked under Triton 3.8)")
+    with pytest.raises(ValueError, match="format_version"):
+        tt.check_table({"format_version": 1, "entries": {}}, "old")
+    with pytest.raises(ValueError, match="major.minor"):
+        tt.check_table({"format_version": 2, "tritons": {"3.8.0": {"entries": {}}}}, "t")
 
 
 @pytest.mark.parametrize("path", shipped_tables(), ids=lambda p: p.name)
 def test_shipped_tables(path):
     table = json.loads(path.read_text())
-    assert table["format_version"] == 1
+    tt.check_table(table, path.name)
     dev = path.stem[len("triton_"):]
     assert table["device_key"] == dev
-    for key in table["entries"]:
-        fmt, e, n, k = tt.parse_shape_key(key)
-        check_entry(table, dev, fmt, e, k, n // 2)
+    for version, section in table["tritons"].items():
+        assert section["tuned_with"]["triton"].startswith(version + ".")
+        for key in section["entries"]:
+            fmt, e, n, k = tt.parse_shape_key(key)
+            check_entry(table, dev, fmt, e, k, n // 2, version)
 
 
 def test_h200_table_covers_k3():
     path = next((p for p in shipped_tables() if p.name == "triton_nvidia_h200.json"), None)
     if path is None:
         pytest.skip("no H200 table shipped yet")
-    entries = json.loads(path.read_text())["entries"]
+    table = json.loads(path.read_text())
     for fmt in ("mxfp4", "int4"):
         for e, h, i in K3:
-            assert tt.shape_key(fmt, e, 2 * i, h) in entries, (fmt, i)
+            for running in ("3.6", "3.8"):   # the H200 image's Triton and the engines' users'
+                assert tt.lookup("nvidia_h200", fmt, e, h, i, 64, is_cuda=True, table=table,
+                                 triton=running).source.startswith("table "), (fmt, i, running)
 
 
 @pytest.mark.parametrize("e,h,i", K3 + [(6, 128, 64), (4, 96, 32)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import importlib.util
+import json
 import logging
 import os
 from functools import lru_cache
@@ -125,7 +126,7 @@ class TritonBackend(MoEBackend):
             found = Lookup(self.config, "pinned")
         else:
             found = _cached_lookup(dev_key, prepared.fmt, prepared.num_experts, prepared.hidden_size,
-                                   prepared.intermediate_size, num_tokens, is_cuda, self.table)
+                                   prepared.intermediate_size, num_tokens, is_cuda, self.table, self.arch)
         cfg = found.config
         if self.decode is not None and self.decode != cfg.decode:
             cfg = replace(cfg, decode=self.decode)
@@ -192,14 +193,44 @@ def _log_wide_scales_once() -> None:
 
 
 @lru_cache(maxsize=4096)
-def _cached_lookup_inner(dev_key, fmt, e, h, i, t, is_cuda) -> Lookup:
-    return triton_table.lookup(dev_key, fmt, e, h, i, t, is_cuda=is_cuda)
+def _cached_lookup_inner(dev_key, fmt, e, h, i, t, is_cuda, arch) -> Lookup:
+    return triton_table.lookup(dev_key, fmt, e, h, i, t, is_cuda=is_cuda, verify=spill_check(arch))
 
 
-def _cached_lookup(dev_key, fmt, e, h, i, t, is_cuda, table) -> Lookup:
+def _cached_lookup(dev_key, fmt, e, h, i, t, is_cuda, table, arch) -> Lookup:
     if table is not None:
-        return triton_table.lookup(dev_key, fmt, e, h, i, t, is_cuda=is_cuda, table=table)
-    return _cached_lookup_inner(dev_key, fmt, e, h, i, t, is_cuda)
+        return triton_table.lookup(dev_key, fmt, e, h, i, t, is_cuda=is_cuda, table=table, verify=spill_check(arch))
+    return _cached_lookup_inner(dev_key, fmt, e, h, i, t, is_cuda, arch)
+
+
+# what a table entry tuned under another Triton is compiled with before it serves: the model's activation
+# (the betas are runtime arguments: every pair shares the binary) and its top-k
+CHECK_ACTIVATION = ActivationSpec.situv2(4.0, 25.0)
+CHECK_TOP_K = 16
+
+
+def spill_check(arch: str):
+    """The lookup's check of a table entry tuned under another Triton (triton_table.Verify)."""
+    return lambda cfg, fmt, e, h, i, tier: _spills(arch, fmt, e, h, i, tier, json.dumps(cfg.to_json(), sort_keys=True))
+
+
+@lru_cache(maxsize=256)
+def _spills(arch: str, fmt: str, e: int, h: int, i: int, tier: int, cfg_json: str) -> str | None:
+    """None when every launch of this config compiles for `arch` under the running Triton without
+    spilling (once per config: compiling is seconds, on the CPU), else why not."""
+    from kimi_k3_moe.kernels.triton import aot
+    if arch not in aot.TARGETS:
+        return f"no compile check for {arch}"
+    cfg = MoEConfig.from_json(json.loads(cfg_json))
+    plan = aot.plan_for_shape(aot.meta_experts(fmt, e, h, i), tier, CHECK_TOP_K, CHECK_ACTIVATION, cfg)
+    for launch in plan:
+        try:
+            report, _ = aot.compile_launch(launch, arch)
+        except Exception as exc:  # noqa: BLE001  (any compile failure refuses the entry, with its reason)
+            return f"{launch.label} does not compile ({type(exc).__name__})"
+        if report.spills:
+            return f"{launch.label} spills {report.spills} bytes"
+    return None
 
 
 __all__ = ["TritonBackend", "BackendUnavailable"]
