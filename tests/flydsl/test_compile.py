@@ -115,6 +115,21 @@ def test_prefetching_k_loops_never_wait_for_the_block_they_fetch(compiled, cfg):
     assert artifacts.k_loop_self_waits(text) == []
 
 
+LOAD_FIRST = [c for c in CONFIGS if getattr(c, "load_first", False) and c.k_iters > 1]
+
+
+@pytest.mark.parametrize("cfg", LOAD_FIRST, ids=[c.name for c in LOAD_FIRST])
+def test_load_first_k_loops_issue_every_load_before_the_staged_tiles_barrier(compiled, cfg):
+    """KernelConfig.load_first: the iteration's weights are in flight while the wave stores its share
+    of the activation tile and waits at the barrier (the chunked order loads them after it)."""
+    text = Path(compiled[cfg.name].report["isa_file"]).read_text()
+    assert artifacts.k_loop_loads_after_first_barrier(text) == 0
+    chunked = ".LBB0_1:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n s_barrier\n" \
+              " buffer_load_dwordx4 v[4:7], v4, s[4:7], 0 offen\n v_mfma_f32_16x16x32_bf16 v[8:11], v[0:3], v[4:7], " \
+              "v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
+    assert artifacts.k_loop_loads_after_first_barrier(chunked) == 1
+
+
 def test_the_pipelining_check_flags_a_loop_that_waits_for_its_own_loads():
     waits = ".LBB0_1:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n s_waitcnt vmcnt(0)\n" \
             " v_mfma_f32_16x16x32_bf16 v[8:11], v[0:3], v[0:3], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"

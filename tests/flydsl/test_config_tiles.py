@@ -99,6 +99,10 @@ def test_shapes_the_kernels_cannot_tile_are_refused_by_name():
     (dict(arch="gfx950", weight_format="mxfp4", act_dtype="fp8", n_rep=1), "n_rep must be even"),
     (dict(arch="gfx950", weight_format="mxfp4", act_dtype="fp8", n_rep=2, a_lds=True, BM=32), "a_lds"),
     (dict(arch="gfx950", weight_format="mxfp4", act_dtype="int8"), "'int8' has no kernel on gfx950"),
+    (dict(prefetch=True, load_first=True), "load_first .* choose one"),
+    (dict(k_waves=3), "k_waves=3 does not divide the 28 K iterations"),
+    (dict(k_waves=2, a_lds=True, BM=32), "a_lds and quantized activations take k_waves=1"),
+    (dict(k_waves=8, waves=4), "at most 16 waves"),
 ])
 def test_invalid_configs_are_refused_when_made(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -169,6 +169,14 @@ def k_loop_self_waits(isa: str) -> list[str]:
     return found
 
 
+def k_loop_loads_after_first_barrier(isa: str) -> int:
+    """Global loads the K loop issues after its first `s_barrier` (the staged tile's): 0 when every
+    load of an iteration is in flight before the wave waits for the tile (`KernelConfig.load_first`)."""
+    body = k_loop_body(isa).splitlines()
+    first = next((i for i, line in enumerate(body) if re.match(r"^\s*s_barrier\b", line)), len(body))
+    return sum(1 for line in body[first:] if _GLOBAL_LOAD_RE.match(line))
+
+
 def occupancy(arch: str, *, vgpr: int, agpr: int, accum_offset: int | None, lds_bytes: int,
               waves_per_workgroup: int) -> dict:
     """Waves per SIMD (at most 8) allowed by registers and by LDS on CDNA3/CDNA4.

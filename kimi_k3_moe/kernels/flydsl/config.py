@@ -56,6 +56,7 @@ class KernelConfig:
     kb_unroll: int = 1            # K128 blocks per loop iteration
     a_lds: bool = False           # stage the activation tile through LDS
     prefetch: bool = False        # software-pipelined K loop: the next iteration's loads before this one's MFMAs
+    load_first: bool = False      # without prefetch: all of an iteration's loads before its staged tile's barrier
     waves_per_eu: int = 0         # occupancy target handed to LLVM (caps registers); 0 = LLVM's choice
     has_offsets: bool = False     # asymmetric int4: value = q*scale + offset
     activation: str | None = None       # stage 1: "silu" | "situv2"; stage 2: None
@@ -79,7 +80,7 @@ class KernelConfig:
                              f"choose one of {supported_weight_formats(self.arch)}")
         if self.has_offsets and self.weight_format != INT4:
             raise ValueError("has_offsets applies to int4 weights only")
-        for flag in ("a_lds", "prefetch", "has_offsets", "direct"):
+        for flag in ("a_lds", "prefetch", "load_first", "has_offsets", "direct"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"KernelConfig.{flag} must be true or false, got {getattr(self, flag)!r}")
         if isinstance(self.waves_per_eu, bool) or not isinstance(self.waves_per_eu, int) \
@@ -113,6 +114,9 @@ class KernelConfig:
         if self.a_lds and (self.BM * 16 * self.kb_unroll) % (self.waves * layout.LANES):
             raise ValueError(f"a_lds: the staged tile's {self.BM * 16 * self.kb_unroll} 16-byte chunks "
                              f"must split evenly over {self.waves * layout.LANES} threads")
+        if self.load_first and self.prefetch:
+            raise ValueError("load_first orders a K iteration's own loads; prefetch already issues them an "
+                             "iteration ahead: choose one")
         if self.k_waves > 1:
             if self.a_lds or self.act_dtype != BF16:
                 raise ValueError(f"k_waves={self.k_waves} splits K over waves that read their activations "
@@ -238,7 +242,7 @@ class KernelConfig:
             fmt += "_a8" if self.act_dtype == FP8 else "_a4"
         tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}" + (f"_kw{self.k_waves}" if self.k_waves > 1 else "")
                 + f"_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
-                + ("_pf" if self.prefetch else "")
+                + ("_pf" if self.prefetch else "") + ("_lf" if self.load_first else "")
                 + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else "")
                 + (f"_dir{self.num_experts}" if self.direct else ""))
         name = (f"k3moe_s{self.stage}_{self.arch}_{fmt}_n{self.N}_k{self.K}_top{self.top_k}_{tile}_"

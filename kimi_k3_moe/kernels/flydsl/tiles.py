@@ -24,7 +24,7 @@ from kimi_k3_moe.kernels.flydsl.config import KernelConfig, check_arch
 
 TABLE = "flydsl_tiles.json"
 TILE_FIELDS = ("waves", "n_rep", "kb_unroll", "a_lds")
-OPTIONAL_TILE_FIELDS = ("waves_per_eu", "prefetch", "k_waves")
+OPTIONAL_TILE_FIELDS = ("waves_per_eu", "prefetch", "load_first", "k_waves")
 MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks up to this
 
 
@@ -158,6 +158,7 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = Fals
     if not lds:   # quantized activations: their loops keep waiting on the prefetched block (ISA), so none
         tile.pop("prefetch", None)
         tile.pop("k_waves", None)   # and they are not split over waves
+        tile.pop("load_first", None)   # no staged tile: their loads come first anyway
     while (K // (layout.K_BLOCK * tile["kb_unroll"])) % tile.get("k_waves", 1):
         tile["k_waves"] -= 1
     return tile

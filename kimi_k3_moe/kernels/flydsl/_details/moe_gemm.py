@@ -525,7 +525,8 @@ def build(cfg: KernelConfig):
 
     # With cfg.prefetch the K loop is software-pipelined: iteration it+1's loads are issued before
     # iteration it's MFMAs (carried in registers), so the MFMAs never wait for the block being
-    # fetched; the last iteration is peeled. Without it each iteration loads, then computes.
+    # fetched; the last iteration is peeled. Without it each iteration loads, then computes: with
+    # cfg.load_first every load of the iteration first, else the staged tile first, then each block's.
     k_steps = iters - 1 if cfg.prefetch else iters
     k_unroll = 1 if cfg.prefetch else -1      # a second copy would make LLVM copy the carried registers
 
@@ -536,6 +537,8 @@ def build(cfg: KernelConfig):
         if cfg.prefetch:
             nxt = load_iteration(ops, it + 1, g)
             return compute_iteration(ops, accs, carried, g, r), nxt
+        if cfg.load_first:   # the weights' round trip overlaps the tile's store and barrier (more registers)
+            return compute_iteration(ops, accs, load_iteration(ops, it, g), g, r), carried
         return load_and_compute_iteration(ops, accs, it, g, r), carried
 
     def k_finish(ops, accs, carried, g, r):
