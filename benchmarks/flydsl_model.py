@@ -115,12 +115,12 @@ def peer_specs(arch: str, tokens: int) -> tuple[PeerSpec, PeerSpec]:
     return s1, s2
 
 
-def our_configs(arch: str, tokens: int):
+def our_configs(arch: str, tokens: int, reduce: str = "auto"):
     from kimi_k3_moe.kernels.flydsl import tiles
     from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU
     # as the forward picks them for the engines' routing: int32 ids, no expert map (direct tiers apply)
     return tiles.stage_configs(arch, FORMAT[arch], hidden=H, inter=I, top_k=TOP_K, num_tokens=tokens,
-                               activation=K3_SITU, direct_experts=E, table=tiles.default_table())
+                               activation=K3_SITU, direct_experts=E, table=tiles.default_table(), reduce=reduce)
 
 
 def mfma_per_wave(arch: str, bm: int, cols: int, k: int, waves: int, int4_tiles: int = 0) -> int:
@@ -136,8 +136,8 @@ def int4_tiles(cfg) -> int:
     return cfg.n_rep * (2 if cfg.stage == 1 else 1) if cfg.weight_format == "int4" else 0
 
 
-def our_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
-    s1, s2 = our_configs(arch, tokens)
+def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto") -> list[Launch]:
+    s1, s2 = our_configs(arch, tokens, reduce)
     fmt = FORMAT[arch]
     if s1.direct:   # one block per (token, slot) pair, each reading its expert's weights
         blocks = d = tokens * TOP_K
@@ -149,8 +149,11 @@ def our_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
         Launch("stage 1", k1, math.ceil(blocks * (I // s1.BN)),
                d * weight_bytes(fmt, 2 * I, H) + tokens * H * 2 + rows * I * 2 + rows * 4,
                mfma_per_wave(arch, s1.BM, 2 * s1.BN, H, s1.workgroup_waves, int4_tiles(s1))),
+        # stage 2's output: a bf16 row per (token, slot), or fp32 atomic adds into [T, H] counted once
+        # (the convention aiter's row uses for its bf16 adds; atomic throughput is not modelled)
         Launch("stage 2", k2, math.ceil(blocks * (H // s2.BN)),
-               d * weight_bytes(fmt, H, I) + rows * I * 2 + tokens * TOP_K * H * 2 + rows * 4,
+               d * weight_bytes(fmt, H, I) + rows * I * 2 + rows * 4
+               + (tokens * TOP_K * H * 2 if s2.reduce == "slots" else tokens * H * 4),
                mfma_per_wave(arch, s2.BM, s2.BN, I // s2.split_k, s2.workgroup_waves, int4_tiles(s2))),
     ]
 
@@ -172,7 +175,7 @@ def peer_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
 
 
 # ------------------------------------------------------------------ our forward's other launches
-def glue_ops(arch: str, tokens: int) -> list[tuple[str, int]]:
+def glue_ops(arch: str, tokens: int, reduce: str = "auto") -> list[tuple[str, int]]:
     """(label, bytes of its tensor arguments) of every launch pipeline.moe_forward makes besides the
     two FlyDSL stages (the Triton alignment and top-k sum), recorded on the meta device (shapes only,
     no memory, nothing run); a PyTorch op that computes would show up too, under its aten name. The
@@ -215,7 +218,7 @@ def glue_ops(arch: str, tokens: int) -> list[tuple[str, int]]:
     try:
         with Record():
             pipeline.moe_forward(Experts(), hidden, weights, ids, K3_SITU, None, arch=arch,
-                                 launch=lambda cfg, args: None)
+                                 launch=lambda cfg, args: None, reduce=reduce)
     finally:
         triton_launch.Launch.__call__ = run
     return ops
@@ -317,17 +320,18 @@ def _detail(launch: Launch, t) -> dict:
             "hbm_mb": round(launch.hbm_bytes / 1e6, 2)}
 
 
-def model_rows(arch: str, tokens_list, ours: dict, peer: dict, params: Params) -> list[dict]:
+def model_rows(arch: str, tokens_list, ours: dict, peer: dict, params: Params, reduce: str = "auto") -> list[dict]:
     device = isa_model.DEVICES[arch]
     fmt = FORMAT[arch]
     rows = []
     for t in tokens_list:
         row: dict = {"arch": arch, "device": device.name, "tokens": t}
-        names = [c.name for c in our_configs(arch, t)]
+        names = [c.name for c in our_configs(arch, t, reduce)]
         if all(n in ours for n in names):
-            launches = our_launches(arch, t, ours)
+            launches = our_launches(arch, t, ours, reduce)
             stages = [isa_model.launch_time(x, device, params) for x in launches]
-            ops = glue_ops(arch, t)
+            ops = glue_ops(arch, t, reduce)
+            row["reduce"] = our_configs(arch, t, reduce)[1].reduce
             row["ours_stages"] = [_detail(x, s) for x, s in zip(launches, stages)]
             row["ours_glue_ops"] = [name for name, _ in ops]
             row["ours_glue_mb"] = round(sum(b for _, b in ops) / 1e6, 1)
@@ -407,6 +411,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "out" / "flydsl_model"), help="ISA and JSON folder")
     parser.add_argument("--tokens", default=",".join(map(str, TIERS)), help="comma-separated token counts")
     parser.add_argument("--fresh", action="store_true", help="recompile even where an ISA file exists")
+    parser.add_argument("--reduce", default="auto", choices=("auto", "slots", "atomic"),
+                        help="our top-k sum: the tile table's per-tier choice (auto) or one at every tier")
     parser.add_argument("--peer-compile", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer_compile:
@@ -433,7 +439,7 @@ def main(argv=None) -> int:
     have_peer = (src / "kernels" / "moe" / "moe_2stage_a16wmix" / "gemm1.py").exists()
 
     archs = ("gfx950", "gfx942")
-    ours_cfgs = list(dict.fromkeys(c for a in archs for t in tokens for c in our_configs(a, t)))
+    ours_cfgs = list(dict.fromkeys(c for a in archs for t in tokens for c in our_configs(a, t, args.reduce)))
     ours = compile_ours(ours_cfgs, out / "ours", str(rocm), args.python, args.fresh)
     peer, failed = {}, {}
     if have_peer:
@@ -459,7 +465,7 @@ def main(argv=None) -> int:
     result = {"params": asdict(params), "rms_log_error": err, "fit": detail, "aiter_failed": failed,
               "glue_launch_us": GLUE_LAUNCH_US, "rows": {}}
     for arch in archs:
-        rows = model_rows(arch, tokens, ours, peer, params)
+        rows = model_rows(arch, tokens, ours, peer, params, args.reduce)
         result["rows"][arch] = rows
         print_table(rows)
     if args.json:

@@ -18,12 +18,14 @@ TABLES = "KIMI_K3_MOE_TABLES"  # a folder `tune` creates if needed (configs/user
 FLYDSL_ROCM = "KIMI_K3_MOE_FLYDSL_ROCM"  # a ROCm-like root holding llvm/bin/ld.lld (kernels/flydsl/toolchain.py)
 GSM8K_DIR = "KIMI_K3_MOE_GSM8K_DIR"  # `gsm8k --data-dir`'s default; gsm8k/data.py checks the folder
 CHECK_EXPERT_IDS = "KIMI_K3_MOE_CHECK_EXPERT_IDS"  # reference.check_routing reads it per forward
+REDUCE = "KIMI_K3_MOE_REDUCE"  # the FlyDSL top-k sum: its tile table's per-tier choice, or one for all
 
 BACKENDS = ("torch", "triton", "flydsl")
 ACT_DTYPES = ("bf16", "fp8", "fp4")
 SELF_CHECK_MODES = ("fallback", "strict", "off")
 VALIDATE_MODES = ("on", "off")
 CHECK_IDS_MODES = ("off", "on")
+REDUCE_MODES = ("auto", "slots", "atomic")
 
 # name -> (allowed values, default); "" as default means "unset: no forcing"
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -32,6 +34,7 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     SELF_CHECK: (SELF_CHECK_MODES, "fallback"),
     VALIDATE_WEIGHTS: (VALIDATE_MODES, "on"),
     CHECK_EXPERT_IDS: (CHECK_IDS_MODES, "off"),
+    REDUCE: (REDUCE_MODES, "auto"),
 }
 
 

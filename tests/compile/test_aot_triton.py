@@ -274,12 +274,14 @@ def test_the_flydsl_forwards_triton_glue_compiles_for_amd_without_spills(tokens)
     import torch
     from kimi_k3_moe.kernels.triton.aot import compile_launch
     from kimi_k3_moe.kernels.triton.alignment import align_launches
-    from kimi_k3_moe.kernels.triton.stage2 import topk_reduce
+    from kimi_k3_moe.kernels.triton.stage2 import cast_copy, topk_reduce, zero_fill
     ids = torch.empty(tokens, 16, dtype=torch.int32, device="meta")
     (pairs,), align = align_launches(ids, None, 896, (16,))
     y = torch.empty(tokens * 16, 3584, dtype=torch.bfloat16, device="meta")
-    reduce = topk_reduce(y, pairs, torch.empty(tokens, 3584, dtype=torch.bfloat16, device="meta"), 16)
-    for launch in (*align, reduce):
+    out = torch.empty(tokens, 3584, dtype=torch.bfloat16, device="meta")
+    reduce = topk_reduce(y, pairs, out, 16)
+    acc = torch.empty(tokens * 3584, dtype=torch.float32, device="meta")   # the atomic top-k sum's
+    for launch in (*align, reduce, zero_fill(acc), cast_copy(acc, out.view(-1))):
         for target in TARGETS:
             report, _ = compile_launch(launch, target)
             assert report.spills == 0 and report.stack == 0, report

@@ -99,14 +99,17 @@ def check(prep, arch, x, tw, ids, act, reduce="slots", **kw):
 
 
 # ------------------------------------------------------------------ every tile of the table
-@pytest.mark.parametrize("tier", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("tier", [0, 1, 2, 3, 4, 5])
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_every_table_tile_matches_the_reference(gen, arch, tier):
+    if tier >= len(raw_tiers(arch)):
+        pytest.skip(f"{arch} has {len(raw_tiers(arch))} tiers")
     prep = prepared_layer(gen, arch)
     x, tw, ids = random_routing(gen, T, E, K, H)
-    check(prep, arch, x, tw, ids, SITU, table=only_tier(arch, tier))
+    reduce = raw_tiers(arch)[tier].get("reduce", "slots")    # the tier's own top-k sum ("auto")
+    check(prep, arch, x, tw, ids, SITU, reduce=reduce, table=only_tier(arch, tier))
     if raw_tiers(arch)[tier].get("direct"):   # int64 ids take the aligned layout with the same tiles
-        check(prep, arch, x, tw, ids.long(), SITU, table=only_tier(arch, tier))
+        check(prep, arch, x, tw, ids.long(), SITU, reduce=reduce, table=only_tier(arch, tier))
 
 
 def direct_table(arch):
@@ -152,6 +155,26 @@ def test_a_forward_is_three_launches_direct_four_up_to_16_tokens_and_seven_above
             ["align.zero", "align.count", "align.offsets", "align.scatter"])
     assert rec.labels[:len(want)] == want and len(rec.labels) == len(want) + 3, rec.labels
     assert rec.labels[-1] == "stage2.reduce"
+    ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    assert ops <= ALLOCATE_OR_VIEW, ops - ALLOCATE_OR_VIEW
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_the_atomic_top_k_sum_is_one_launch_more_and_no_pytorch_op(gen, arch, monkeypatch):
+    """reduce="atomic" (the table's choice at gfx950's largest tier, or KIMI_K3_MOE_REDUCE=atomic): the
+    fp32 accumulator is zeroed and converted by Triton launches, not PyTorch ops, around stage 2
+    (the slots sum's one launch becomes two)."""
+    prep = prepared_layer(gen, arch)
+    x, tw, ids = random_routing(gen, T, E, K, H)
+    x = x.to(torch.bfloat16)
+    auto = emulate(prep, arch, x, tw, ids, SITU, table=aligned_table(arch), reduce="atomic")
+    assert relative_l2(auto.float(), float_reference(prep, x.float(), tw, ids, SITU)) < REF_BOUND
+    rec = LaunchRecorder(monkeypatch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipeline.moe_forward(prep, x, tw, ids, SITU, None, arch=arch, launch=rec.flydsl, reduce="atomic",
+                             table=aligned_table(arch))
+    assert rec.labels[0] == "align.small" and rec.labels[2] == "stage2.zero" and rec.labels[-1] == "stage2.cast" \
+        and len(rec.labels) == 5, rec.labels
     ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
     assert ops <= ALLOCATE_OR_VIEW, ops - ALLOCATE_OR_VIEW
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kimi_k3_moe import settings
 from kimi_k3_moe.act_quant import BF16, ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.experts import Mxfp4Experts, Int4Experts, WeightFormat
@@ -41,7 +42,7 @@ class FlyDSLBackend(MoEBackend):
 
     def __init__(self, arch: str | None = None, weight_format: str | None = None, *,
                  int4_method: str = int4.DEFAULT_METHOD,
-                 betas: str = "const", reduce: str = "slots", device: int = 0, act_dtype: str = BF16):
+                 betas: str = "const", reduce: str | None = None, device: int = 0, act_dtype: str = BF16):
         self.device_index = device
         self.arch = arch if arch is not None else detect_arch(device)
         if self.arch is not None:
@@ -53,8 +54,10 @@ class FlyDSLBackend(MoEBackend):
                              f"{supported_weight_formats(self.arch)}")
         if betas not in BETA_MODES:
             raise ValueError(f"flydsl: betas {betas!r} not in {BETA_MODES}")
-        if reduce not in REDUCTIONS:
-            raise ValueError(f"flydsl: reduce {reduce!r} not in {REDUCTIONS}")
+        # None: $KIMI_K3_MOE_REDUCE, whose default "auto" is the tile table's per-tier choice
+        reduce = settings.choice(settings.REDUCE) if reduce is None else reduce
+        if reduce not in ("auto", *REDUCTIONS):
+            raise ValueError(f"flydsl: reduce {reduce!r} not in {('auto', *REDUCTIONS)}")
         if int4_method not in int4.METHODS:
             raise ValueError(f"flydsl: int4_method {int4_method!r} not in {int4.METHODS}")
         # refused here, at load, as the spec declares: gfx942 has no scaled MFMA (LLVM would abort

@@ -28,7 +28,7 @@ from kimi_k3_moe.kernels.flydsl import layout
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig, runtime_betas
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.kernels.triton.alignment import align_launches, direct_pairs
-from kimi_k3_moe.kernels.triton.stage2 import topk_reduce
+from kimi_k3_moe.kernels.triton.stage2 import cast_copy, topk_reduce, zero_fill
 from kimi_k3_moe.reference import check_routing
 
 Launch = Callable[[KernelConfig | QuantConfig, tuple], None]
@@ -80,7 +80,7 @@ def _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_exper
 
 def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, activation: ActivationSpec, expert_map: torch.Tensor | None, *,
-                arch: str, launch: Launch, betas: str = "const", reduce: str = "slots",
+                arch: str, launch: Launch, betas: str = "const", reduce: str = "auto",
                 chunk_tokens: int | None = None, table: dict | None = None,
                 configs: tuple[KernelConfig, KernelConfig] | None = None,
                 act_dtype: str = BF16) -> torch.Tensor:
@@ -149,11 +149,13 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
             # every slot row a kernel does not write belongs to a pair the top-k sum skips
             y = torch.empty(n * k * H, dtype=torch.bfloat16, device=hidden.device)
         else:
-            y = torch.zeros(n * H, dtype=torch.float32, device=hidden.device)
+            y = torch.empty(n * H, dtype=torch.float32, device=hidden.device)
+            zero_fill(y)()
         launch(cfg2, (inter, w2, s2, o2, sid, block_expert, weights, y, *scales2, n, P, 0.0, 0.0))
         if cfg2.reduce == "slots":
             # the deterministic top-k reduction: fp32 sum over each token's slots, in slot order
             topk_reduce(y.view(n * k, H), pairs, out[start:stop], k)()
         else:
-            out[start:stop] = y.view(n, H).to(hidden.dtype)
+            # fp32 atomic adds (order-dependent rounding): converted to the output's dtype
+            cast_copy(y, out[start:stop].view(-1))()
     return out

@@ -20,7 +20,7 @@ from kimi_k3_moe.act_quant import BF16
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels.flydsl import layout
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, check_arch
+from kimi_k3_moe.kernels.flydsl.config import REDUCTIONS, KernelConfig, check_arch
 
 TABLE = "flydsl_tiles.json"
 TILE_FIELDS = ("waves", "n_rep", "kb_unroll", "a_lds")
@@ -36,6 +36,8 @@ class Tier:
     stage2: dict[str, Any]
     # the direct layout (no alignment launch) where the routing allows it: one pair per block
     direct: bool = False
+    # the top-k sum by default ("auto"): deterministic slots rows, or fp32 atomics where those model faster
+    reduce: str = "slots"
 
     def serves(self, num_tokens: int) -> bool:
         return self.max_tokens is None or num_tokens <= self.max_tokens
@@ -50,6 +52,8 @@ def _validate(arch: str, tiers: list[Tier]) -> None:
     if any(not isinstance(b, int) or b < 1 for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
         raise ValueError(f"{TABLE}[{arch}]: max_tokens must be positive ints, strictly increasing; got {bounds}")
     for t in tiers:
+        if t.reduce not in REDUCTIONS:
+            raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: reduce {t.reduce!r} not in {REDUCTIONS}")
         if not isinstance(t.direct, bool) or (t.direct and t.BM != layout.MFMA_TILE):
             raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: direct must be true or false, and true "
                              f"only with BM {layout.MFMA_TILE} (one pair per block); got {t.direct!r}, BM={t.BM}")
@@ -72,8 +76,8 @@ def load_table(data: dict | None = None) -> dict[str, tuple[Tier, ...]]:
         if arch == "about":
             continue
         check_arch(arch)
-        tiers = [Tier(r["max_tokens"], r["BM"], dict(r["stage1"]), dict(r["stage2"]), r.get("direct", False))
-                 for r in rows]
+        tiers = [Tier(r["max_tokens"], r["BM"], dict(r["stage1"]), dict(r["stage2"]), r.get("direct", False),
+                      r.get("reduce", "slots")) for r in rows]
         _validate(arch, tiers)
         table[arch] = tuple(tiers)
     return table
@@ -90,7 +94,7 @@ def shape_key(fmt: str, hidden: int, inter: int, top_k: int) -> str:
 
 
 def _user_row(r: dict) -> dict:
-    return {k: r[k] for k in ("max_tokens", "BM", "stage1", "stage2", "direct") if k in r}
+    return {k: r[k] for k in ("max_tokens", "BM", "stage1", "stage2", "direct", "reduce") if k in r}
 
 
 def _user_tiers(entry: dict) -> list:
@@ -166,12 +170,13 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = Fals
 
 def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int, num_tokens: int,
                   activation: ActivationSpec, betas: str = "const", has_offsets: bool = False,
-                  reduce: str = "slots", act_dtype: str = BF16,
+                  reduce: str = "auto", act_dtype: str = BF16,
                   direct_experts: int | None = None, table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
     """(stage 1, stage 2) kernel configs for a layer of this shape at this token count.
 
     `direct_experts`: the layer's expert count where the routing can take the direct layout (int32
     ids, no expert map; the forward decides); a tier marked direct then takes it, bf16 activations only.
+    `reduce`: "auto" takes the tier's top-k sum, "slots" or "atomic" that one at every tier.
     """
     if table is None:  # a valid user table (kimi-k3-moe tune) for exactly this GPU and shape comes first
         table = user_tiers(arch, weight_format, hidden, inter, top_k)
@@ -184,7 +189,7 @@ def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top
     s1 = KernelConfig(stage=1, N=inter, K=hidden, activation="silu", **common,
                       **_fit(tier.stage1, tier.BM, inter, hidden, pairs=quantized, lds=not quantized)
                       ).with_activation(activation, betas)
-    s2 = KernelConfig(stage=2, N=hidden, K=inter, reduce=reduce, **common,
+    s2 = KernelConfig(stage=2, N=hidden, K=inter, reduce=tier.reduce if reduce == "auto" else reduce, **common,
                       **_fit(tier.stage2, tier.BM, hidden, inter, lds=not quantized))
     return s1, s2
 

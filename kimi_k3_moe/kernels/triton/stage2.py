@@ -6,6 +6,7 @@ import torch
 
 from kimi_k3_moe.configs.triton_table import KernelConfig
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage2_gemv_kernel
+from kimi_k3_moe.kernels.triton._details.elementwise_kernels import cast_kernel, zero_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_kernel, topk_reduce_kernel
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
@@ -43,6 +44,26 @@ def topk_reduce(y: torch.Tensor, pairs: AlignedPairs, out: torch.Tensor, topk: i
         out_ptr=out, stride_om=out.stride(0), hidden=hidden, TOPK=topk, HAS_MAP=emap is not None,
         num_ids=pairs.num_ids if pairs.direct else pairs.num_experts, num_local=pairs.num_experts,
         BLOCK_N=block, PDL=False), 4, 1, "stage2.reduce")
+
+
+ELEMENTWISE_BLOCK = 1024
+
+
+def zero_fill(buf: torch.Tensor) -> Launch:
+    """buf (contiguous) = 0: the fp32 accumulator an atomic stage 2 adds into."""
+    n = buf.numel()
+    return Launch(zero_kernel, (cdiv(n, ELEMENTWISE_BLOCK),), dict(ptr=buf, n=n, BLOCK=ELEMENTWISE_BLOCK),
+                  4, 1, "stage2.zero")
+
+
+def cast_copy(src: torch.Tensor, out: torch.Tensor) -> Launch:
+    """out = src in out's dtype, element by element (both contiguous, same element count)."""
+    if src.numel() != out.numel() or not (src.is_contiguous() and out.is_contiguous()):
+        raise ValueError(f"cast_copy: {tuple(src.shape)} -> {tuple(out.shape)} needs two contiguous tensors "
+                         "of one element count")
+    n = src.numel()
+    return Launch(cast_kernel, (cdiv(n, ELEMENTWISE_BLOCK),), dict(src_ptr=src, dst_ptr=out, n=n,
+                                                                    BLOCK=ELEMENTWISE_BLOCK), 4, 1, "stage2.cast")
 
 
 def gemv_block_k(cfg: KernelConfig, topk: int, inter_size: int, expert_map: torch.Tensor | None) -> int:
