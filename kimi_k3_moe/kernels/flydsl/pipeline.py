@@ -101,7 +101,7 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
                   expert_map=expert_map)
     T, H = hidden.shape
     k = topk_ids.shape[1]
-    out = torch.empty_like(hidden)
+    out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)   # row-major, whatever hidden is
     if T == 0:
         return out
     # each is a no-op for what the engines pass (bf16 rows, fp32 weights, int32 ids)
