@@ -326,12 +326,12 @@ def model_rows(arch: str, tokens_list, ours: dict, peer: dict, params: Params, r
     rows = []
     for t in tokens_list:
         row: dict = {"arch": arch, "device": device.name, "tokens": t}
-        names = [c.name for c in our_configs(arch, t, reduce)]
-        if all(n in ours for n in names):
+        configs = our_configs(arch, t, reduce)
+        if all(c.name in ours for c in configs):
             launches = our_launches(arch, t, ours, reduce)
             stages = [isa_model.launch_time(x, device, params) for x in launches]
             ops = glue_ops(arch, t, reduce)
-            row["reduce"] = our_configs(arch, t, reduce)[1].reduce
+            row["reduce"] = configs[1].reduce
             row["ours_stages"] = [_detail(x, s) for x, s in zip(launches, stages)]
             row["ours_glue_ops"] = [name for name, _ in ops]
             row["ours_glue_mb"] = round(sum(b for _, b in ops) / 1e6, 1)

@@ -350,12 +350,13 @@ def lookup(dev_key: str, fmt: str, num_experts: int, hidden: int, inter: int, nu
     source = f"{origin} {key} tier {tier}"
     if version == running:
         return Lookup(cfg, source)
-    why = "not checked" if verify is None else verify(cfg, fmt, num_experts, hidden, inter, tier)
-    if verify is not None and why:
+    if verify is None:
+        return Lookup(cfg, f"{source} (tuned under Triton {version}; not checked under Triton {running})")
+    why = verify(cfg, fmt, num_experts, hidden, inter, tier)
+    if why:
         return Lookup(heuristic_config(hidden, inter, num_tokens, is_cuda=is_cuda),
                       f"heuristic ({source}, tuned under Triton {version}: {why} under Triton {running})")
-    checked = "not checked" if why else "compiled without spills"
-    return Lookup(cfg, f"{source} (tuned under Triton {version}; {checked} under Triton {running})")
+    return Lookup(cfg, f"{source} (tuned under Triton {version}; compiled without spills under Triton {running})")
 
 
 def _fit_block_k(k: int, want: int) -> int:
