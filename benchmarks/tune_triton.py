@@ -70,7 +70,7 @@ def main() -> int:
     for n, (shape_name, fmt) in enumerate(jobs):
         shape = parse_shape(shape_name)
         budget = max(0.0, (deadline - time.monotonic()) / (len(jobs) - n))
-        experts = random_experts(shape.num_experts, shape.hidden, shape.inter, "cuda",
+        experts = random_experts(shape.held_experts, shape.hidden, shape.inter, "cuda",
                                  torch.Generator(device="cuda").manual_seed(1234 + n))
         quick = args.quick_secondary and (shape_name, fmt) != ("tp8", "mxfp4")
         target = make_target("triton", shape, experts, SITU, identity,

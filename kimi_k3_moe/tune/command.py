@@ -46,9 +46,6 @@ def run(args: argparse.Namespace) -> int:
     shape, activation = shape_and_activation(args.model, args.shape, args.tp)
     tiers = count_list(args.tiers, "--tiers") if args.tiers else None
     require_gpu("tuning times kernels on the GPU it tunes for")
-    if shape.is_ep:
-        raise ValueError(f"{shape.name} is an expert-parallel slice; tune its local shape "
-                         f"H,I,{shape.held_experts},K instead")
     hip = bool(getattr(torch.version, "hip", None))
     backend = args.backend or ("flydsl" if hip else "triton")
     identity = user_tables.device_identity()
@@ -72,7 +69,7 @@ def random_layer(shape, seed: int):
     import torch
 
     from kimi_k3_moe.bench.data import random_experts
-    return random_experts(shape.num_experts, shape.hidden, shape.inter, "cuda",
+    return random_experts(shape.held_experts, shape.hidden, shape.inter, "cuda",
                           torch.Generator(device="cuda").manual_seed(seed))
 
 

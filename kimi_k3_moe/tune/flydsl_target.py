@@ -114,8 +114,8 @@ class FlyDSLTarget:
 
     def runner(self, cand: Candidate):
         configs = self._configs(cand.tier, cand.config)
-        return lambda hidden, weights, ids: pipeline.moe_forward(
-            self.prepared, hidden, weights, ids, self.activation, None, arch=self.arch, launch=self.launch,
+        return lambda hidden, weights, ids, expert_map: pipeline.moe_forward(
+            self.prepared, hidden, weights, ids, self.activation, expert_map, arch=self.arch, launch=self.launch,
             configs=configs)
 
     def reference_weights(self):

@@ -26,7 +26,7 @@ import torch
 from kimi_k3_moe import __version__
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.bench.check import REL_L2_BOUND, judge
-from kimi_k3_moe.bench.data import RoutingSource, random_hidden
+from kimi_k3_moe.bench.data import RoutingSource, expert_map_for, random_hidden
 from kimi_k3_moe.bench.routing import Routing
 from kimi_k3_moe.reference import dense_moe
 
@@ -54,7 +54,8 @@ class Target(Protocol):
     def tiers(self) -> list[int]: ...
     def candidates(self, tier: int, done: dict[str, dict]) -> list[Candidate]: ...
     def compile(self, cand: Candidate) -> tuple[bool, str]: ...
-    def runner(self, cand: Candidate) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]: ...
+    # run(hidden, weights, ids, expert_map): expert_map is None unless the shape is an expert-parallel slice
+    def runner(self, cand: Candidate) -> Callable[..., torch.Tensor]: ...
     def reference_weights(self) -> tuple[Callable, Callable]: ...
     def packaged(self, tier: int) -> dict: ...
     def entries(self, chosen: dict[int, tuple[Candidate | None, dict]]) -> tuple[str, Any]: ...
@@ -104,6 +105,8 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
     tiers = target.tiers()
     gen = torch.Generator(device=device).manual_seed(seed)
     route = RoutingSource(routing, shape.num_experts, shape.topk, device, gen)
+    # expert parallel: routing over every expert, this rank holding [0, held) (as bench times it)
+    emap = expert_map_for(shape.num_experts, shape.held_experts, device) if shape.is_ep else None
     w13_of, w2_of = target.reference_weights()
     silu = ActivationSpec.silu()
     out_of_time = False  # some candidate was left unmeasured for lack of time (a rerun continues)
@@ -139,10 +142,10 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
                     continue
                 try:
                     run = target.runner(cand)
-                    out = run(hidden, weights, ids)
+                    out = run(hidden, weights, ids, emap)
                     if ref is None:
-                        ref = dense_moe(hidden, w13_of, w2_of, weights, ids, activation, compute_dtype=torch.float32)
-                        silu_ref = dense_moe(hidden, w13_of, w2_of, weights, ids, silu, compute_dtype=torch.float32)
+                        ref = dense_moe(hidden, w13_of, w2_of, weights, ids, activation, emap, compute_dtype=torch.float32)
+                        silu_ref = dense_moe(hidden, w13_of, w2_of, weights, ids, silu, emap, compute_dtype=torch.float32)
                     verdict = judge(out, ref, silu_ref, getattr(target, "bound", REL_L2_BOUND))
                     if not verdict.ok:
                         state.record(cand, {"status": REJECTED, "why": verdict.why, "rel_l2": verdict.rel_l2,
@@ -150,7 +153,7 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
                         continue
                     if hasattr(timer, "label"):
                         timer.label = cand.label
-                    t = timer.time(lambda: run(hidden, weights, ids))
+                    t = timer.time(lambda: run(hidden, weights, ids, emap))
                     state.record(cand, {"status": TIMED, "us": t["median_us"], "rel_l2": verdict.rel_l2,
                                         "label": cand.label})
                 except Exception as exc:  # a candidate that fails at run time is one outcome, not the end

@@ -84,7 +84,7 @@ class TritonTarget:
         dev = self.experts.device
         be = get_backend("triton", weight_format=self.fmt, config=cand.config)
         hidden = torch.randn(4, h, device=dev).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(self.shape.num_experts, device=dev)[:self.shape.topk] for _ in range(4)])
+        ids = torch.stack([torch.randperm(self.shape.held_experts, device=dev)[:self.shape.topk] for _ in range(4)])
         weights = torch.full(ids.shape, 1.0 / self.shape.topk, device=dev)
         try:
             launches = be.plan(self.prepared, hidden, weights, ids.to(torch.int32), self.activation, None,
@@ -104,7 +104,8 @@ class TritonTarget:
 
     def runner(self, cand: Candidate):
         be = get_backend("triton", weight_format=self.fmt, config=cand.config)
-        return lambda hidden, weights, ids: be.forward(self.prepared, hidden, weights, ids, self.activation, None)
+        return lambda hidden, weights, ids, expert_map: be.forward(self.prepared, hidden, weights, ids,
+                                                                   self.activation, expert_map)
 
     def reference_weights(self):
         if self.fmt == "mxfp4":
@@ -116,7 +117,7 @@ class TritonTarget:
 
     def packaged(self, tier: int) -> dict:
         s = self.shape
-        found = tt.lookup(self.identity["key"], self.fmt, s.num_experts, s.hidden, s.inter, tier,
+        found = tt.lookup(self.identity["key"], self.fmt, s.held_experts, s.hidden, s.inter, tier,
                           is_cuda=self.is_cuda, table=tt.load_table(self.identity["key"]) or {})
         return {"config": found.config.to_json(), "source": found.source}
 
@@ -126,4 +127,4 @@ class TritonTarget:
         for tier, (cand, info) in chosen.items():
             cfg = cand.config.to_json() if cand is not None else info["config"]
             tiers[str(tier)] = {**cfg, **{k: v for k, v in info.items() if k != "config"}}
-        return tt.shape_key(self.fmt, s.num_experts, 2 * s.inter, s.hidden), {"tiers": tiers}
+        return tt.shape_key(self.fmt, s.held_experts, 2 * s.inter, s.hidden), {"tiers": tiers}

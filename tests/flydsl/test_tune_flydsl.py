@@ -55,7 +55,7 @@ class Rigged(FlyDSLTarget):
                                        table=tiles.load_table({self.arch: [{"max_tokens": None, "BM": cand.config.BM,
                                                                "stage1": cand.config.stage1,
                                                                "stage2": cand.config.stage2}]}))
-            return lambda h, w, i: pipeline.moe_forward(self.prepared, h, w, i, silu, None, arch=self.arch,
+            return lambda h, w, i, emap: pipeline.moe_forward(self.prepared, h, w, i, silu, emap, arch=self.arch,
                                                         launch=emulator.launch, configs=cfgs)
         return super().runner(cand)
 

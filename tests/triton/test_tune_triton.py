@@ -42,7 +42,7 @@ class Rigged(TritonTarget):
     def runner(self, cand):
         if "wrong-activation" in cand.label:
             be = get_backend("triton", weight_format=self.fmt, config=cand.config)
-            return lambda h, w, i: be.forward(self.prepared, h, w, i, ActivationSpec.silu(), None)
+            return lambda h, w, i, emap: be.forward(self.prepared, h, w, i, ActivationSpec.silu(), emap)
         return super().runner(cand)
 
 
@@ -185,3 +185,18 @@ def test_small_tiers_try_the_best_aligned_tiles_with_pdl_toggled(seed):
     first = TritonTarget.candidates(target, big, {})
     done = {c.key: {"status": TIMED, "us": 10.0 + n} for n, c in enumerate(first)}
     assert not any(" pdl " in c.label for c in TritonTarget.candidates(target, big, done))
+
+
+def test_an_expert_parallel_slice_is_tuned_under_its_own_routing_and_keyed_by_its_held_experts(tables, seed):
+    """EP: routing over all experts with this rank holding the first few (as `bench` times it), every
+    candidate checked through the expert map against the reference, the entry keyed by the held count."""
+    from kimi_k3_moe.bench.shapes import Shape
+    ep = Shape("tiny_ep", SHAPE.hidden, SHAPE.inter, 8, topk=2, local_experts=4)
+    experts = random_experts(ep.held_experts, ep.hidden, ep.inter, "cpu", torch.Generator().manual_seed(seed))
+    target = FirstFour(ep, experts, SITU, identity=user_tables.device_identity(), tiers=[4])
+    result = tune(target, SITU, FakeClock(fake_time), budget_s=1e9, state_path=tables / "ep.json", device="cpu",
+                  seed=seed)
+    assert result["key"] == tt.shape_key("mxfp4", 4, 2 * ep.inter, ep.hidden), result["key"]
+    outcomes = list(result["outcomes"]["4"].values())
+    assert outcomes and all(o["status"] == TIMED for o in outcomes), outcomes
+    assert result["tiers"][4]["tuned"]
