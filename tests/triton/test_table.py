@@ -228,6 +228,15 @@ def test_an_unknown_or_doubled_order_is_a_one_line_error():
         tt.lookup("x", "mxfp4", 896, 3584, 384, 64, is_cuda=True, table=bad, triton="3.8")
 
 
+def test_shipped_tables_say_order_not_the_booleans():
+    for path in shipped_tables():
+        for section in json.loads(path.read_text())["tritons"].values():
+            for entry in section["entries"].values():
+                for cfg in entry["tiers"].values():
+                    for stage in ("stage1", "stage2"):
+                        assert "order" in cfg[stage] and not set(tt.LEGACY_ORDER_FLAGS) & set(cfg[stage]), path
+
+
 def test_small_batch_options_are_validated_and_round_trip():
     """The direct path (one pair per 16-row block) and pdl (every path; kept on CUDA targets with
     programmatic dependent launch only) survive JSON and are refused where meaningless."""
