@@ -32,7 +32,7 @@ from _common import (SHAPES, Recipe, env_info, log, poison_allocator, precompile
 import torch  # noqa: E402
 
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
-from kimi_k3_moe.configs.triton_table import heuristic_config  # noqa: E402
+from kimi_k3_moe.configs.triton_table import KOrder, heuristic_config  # noqa: E402
 from kimi_k3_moe.formats.bf16 import round_once  # noqa: E402
 from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
@@ -206,8 +206,8 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
             base = heuristic_config(h, i, t, is_cuda=dev == "cuda")
             if base.path == "aligned" and base.stage1.block_k >= 128 and base.stage2.block_k >= 128:
                 out.append(("aligned-worddots", {"config": replace(
-                    base, stage1=replace(base.stage1, interleave=False),
-                    stage2=replace(base.stage2, interleave=False))}))
+                    base, stage1=replace(base.stage1, order=KOrder.WORDS),
+                    stage2=replace(base.stage2, order=KOrder.WORDS))}))
         return out
 
     # Compile everything first, in parallel worker processes.

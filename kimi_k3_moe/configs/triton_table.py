@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -45,6 +46,52 @@ def row_tiles(block_m: int) -> tuple[int, int]:
     return main, block_m - main
 
 
+class KOrder(str, Enum):
+    """The K order in which an aligned (or direct) stage reads its activations and decodes its weights.
+    The GEMV stages read word order of their own block_k whatever this says."""
+
+    WORDS = "words"  # activations in word order of block_k tiles (K = 8c + j): eight dots per K step
+    INTERLEAVE = "interleave"  # activations in plain order, weights regrouped in registers: two dots per K step
+    PAIRS = "pairs"  # activations and weights in pair order (decode.pair_order): one dot per K step
+    # pairs, stage 1's gate and up rows stacked in one [2 x block_n] tile, one dot per K step (with 8
+    # warps each warpgroup holds one of them: half the accumulator registers per thread)
+    STACKED = "stacked"
+    # pairs, stage 2 with n_tiles > 1: inter is read in plain order (stage 1 stores it so) and each K
+    # step is swapped into pair order in registers, once per program for all its tiles (stage 1's
+    # epilogue then skips that swap)
+    PLAIN_INTER = "plain-inter"
+
+    @property
+    def pairs(self) -> bool:
+        """One dot per K step on the pair order."""
+        return self in (KOrder.PAIRS, KOrder.STACKED, KOrder.PLAIN_INTER)
+
+
+def parse_order(value, what: str = "order") -> KOrder:
+    try:
+        return KOrder(value)
+    except ValueError:
+        raise ValueError(f"{what} {value!r} not in {tuple(o.value for o in KOrder)}") from None
+
+
+# what a stage config said instead of `order` in the tables of earlier releases (users' tables live on)
+LEGACY_ORDER_FLAGS = ("interleave", "pairs", "stack_gate_up", "plain_inter")
+
+
+def order_from_flags(what: str = "order", *, interleave: bool = True, pairs: bool = False,
+                     stack_gate_up: bool = False, plain_inter: bool = False) -> KOrder:
+    """The K order an earlier release's stage config meant by its LEGACY_ORDER_FLAGS (pairs won over
+    interleave; stack_gate_up and plain_inter each refined pairs)."""
+    if stack_gate_up or plain_inter:
+        if not pairs or (stack_gate_up and plain_inter):
+            raise ValueError(f"{what}: stack_gate_up and plain_inter each refine pairs (got pairs={pairs}, "
+                             f"stack_gate_up={stack_gate_up}, plain_inter={plain_inter})")
+        return KOrder.STACKED if stack_gate_up else KOrder.PLAIN_INTER
+    if pairs:
+        return KOrder.PAIRS
+    return KOrder.INTERLEAVE if interleave else KOrder.WORDS
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """One stage's launch parameters. block_n/block_k are over that stage's N and K."""
@@ -54,18 +101,14 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = True  # aligned path: weights as the MMA's M operand (good for few tokens per tile)
-    interleave: bool = True  # aligned path: restore K order in registers (2 dots) or 8 dots on K = 8c + j
-    pairs: bool = False  # aligned path: one dot per K step on the pair order (decode.pair_order); wins over interleave
-    # aligned stage 1 with pairs: gate and up rows stacked in one [2 x block_n] tile, one dot per K step
-    # (with 8 warps each warpgroup holds one of them: half the accumulator registers per thread)
-    stack_gate_up: bool = False
+    order: KOrder = KOrder.INTERLEAVE  # aligned path: see KOrder
     # aligned stage 2: N tiles per program, K unrolled and the tile loop pipelined (its K = I is a few
     # steps only, so per-tile loads would otherwise start from an empty pipeline at every tile)
     n_tiles: int = 1
-    # aligned stage 2 in pair order with n_tiles > 1: inter is read in plain order (stage 1 stores it
-    # so) and each K step is swapped into pair order in registers, once per program for all its
-    # tiles (stage 1's epilogue then skips that swap)
-    plain_inter: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.order, KOrder):  # "pairs" and KOrder.PAIRS: one config
+            object.__setattr__(self, "order", parse_order(self.order))
 
     def validate(self, k: int, what: str, min_block_n: int = 16) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -76,16 +119,28 @@ class KernelConfig:
             raise ValueError(f"{what}.block_n = {self.block_n} must be >= {min_block_n}")
         if self.block_k < 32 or k % self.block_k:
             raise ValueError(f"{what}.block_k = {self.block_k} must be >= 32 and divide K = {k}")
-        if not self.interleave and self.block_k < 128:
-            raise ValueError(f"{what}: interleave=False needs block_k >= 128 (8 dots of block_k/8 >= 16)")
+        if self.order == KOrder.WORDS and self.block_k < 128:
+            raise ValueError(f"{what}: order 'words' needs block_k >= 128 (8 dots of block_k/8 >= 16)")
         if self.num_stages < 1:
             raise ValueError(f"{what}.num_stages = {self.num_stages} must be >= 1")
         if self.n_tiles < 1:
             raise ValueError(f"{what}.n_tiles = {self.n_tiles} must be >= 1")
-        if self.stack_gate_up and not self.pairs:
-            raise ValueError(f"{what}: stack_gate_up needs pairs (the stacked tile is read in pair order)")
-        if self.plain_inter and not (self.pairs and self.n_tiles > 1):
-            raise ValueError(f"{what}: plain_inter needs pairs and n_tiles > 1 (the swap is done once per program)")
+        if self.order == KOrder.PLAIN_INTER and self.n_tiles == 1:
+            raise ValueError(f"{what}: order 'plain-inter' needs n_tiles > 1 (the swap is done once per program)")
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "order": self.order.value}
+
+    @classmethod
+    def from_json(cls, d: dict, what: str = "stage") -> "KernelConfig":
+        """Also reads the form of earlier releases (LEGACY_ORDER_FLAGS instead of `order`)."""
+        d = dict(d)
+        flags = {name: bool(d.pop(name)) for name in LEGACY_ORDER_FLAGS if name in d}
+        if flags and "order" in d:
+            raise ValueError(f"{what}: both order and {', '.join(flags)}")
+        order = order_from_flags(what, **flags) if flags else parse_order(d.pop("order", KOrder.INTERLEAVE),
+                                                                          f"{what}.order")
+        return cls(**d, order=order)
 
 
 @dataclass(frozen=True)
@@ -139,8 +194,8 @@ class MoEConfig:
         min_n = 2 if self.path == "gemv" else 16  # tl.dot needs 16; the FMA path does not
         self.stage1.validate(hidden, "stage1", min_n)
         self.stage2.validate(inter, "stage2", min_n)
-        if self.stage2.stack_gate_up:
-            raise ValueError("stage2.stack_gate_up: stage 2 has no gate and up rows")
+        if self.stage2.order == KOrder.STACKED:
+            raise ValueError("stage2: order 'stacked' is stage 1's (stage 2 has no gate and up rows)")
         if self.stage1.n_tiles != 1 or (self.path == "gemv" and self.stage2.n_tiles != 1):
             raise ValueError("n_tiles: only the aligned stage 2 takes several N tiles per program")
         return self
@@ -156,10 +211,7 @@ class MoEConfig:
                     raise ValueError(f"{name} {bm} (a main and a tail tile) needs that stage's swap")
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        for stage in ("stage1", "stage2"):
-            if not d[stage]["plain_inter"]:  # tables written before it keep their form
-                del d[stage]["plain_inter"]
+        d = {**asdict(self), "stage1": self.stage1.to_json(), "stage2": self.stage2.to_json()}
         if self.stage2_block_m is None:
             del d["stage2_block_m"]
         if not self.pdl:
@@ -170,7 +222,8 @@ class MoEConfig:
     def from_json(cls, d: dict) -> "MoEConfig":
         s2_bm = d.get("stage2_block_m")
         return cls(path=d["path"], block_m=int(d.get("block_m", 16)), decode=d.get("decode", "bits"),
-                   stage1=KernelConfig(**d["stage1"]), stage2=KernelConfig(**d["stage2"]),
+                   stage1=KernelConfig.from_json(d["stage1"], "stage1"),
+                   stage2=KernelConfig.from_json(d["stage2"], "stage2"),
                    stage2_block_m=None if s2_bm is None else int(s2_bm), pdl=bool(d.get("pdl", False)))
 
     def for_target(self, is_cuda: bool, has_pdl: bool = True) -> "MoEConfig":

@@ -207,8 +207,8 @@ def test_pdl_kernels_wait_for_their_predecessor_on_sm90_only():
     """A pdl config's kernels carry griddepcontrol (let the next launch start, wait for the one
     before) for sm_90; for AMD the config loses pdl before planning (for_target), so none is built."""
     from kimi_k3_moe.kernels.triton.aot import compile_launch
-    cfg = tt.MoEConfig("direct", 16, tt.KernelConfig(32, 256, pairs=True, stack_gate_up=True),
-                       tt.KernelConfig(64, 128, pairs=True, n_tiles=2), "ptx", pdl=True)
+    cfg = tt.MoEConfig("direct", 16, tt.KernelConfig(32, 256, order=tt.KOrder.STACKED),
+                       tt.KernelConfig(64, 128, order=tt.KOrder.PAIRS, n_tiles=2), "ptx", pdl=True)
     for target in ("sm_90", "gfx942"):
         launches = _specs(target, "mxfp4", 896, 3584, 384, cfg)
         assert [l.pdl for l in launches] == ([False] + [True] * 3 if target == "sm_90" else [False] * 4)

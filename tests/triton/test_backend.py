@@ -15,7 +15,7 @@ import torch
 import triton_problems as P
 from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton.backend import TritonBackend
@@ -27,10 +27,10 @@ SILU = ActivationSpec.silu()
 TOL = 1e-2
 
 GEMV, ALIGNED, ALIGNED_NOSWAP = P.GEMV, P.ALIGNED, P.ALIGNED_NOSWAP
-ALIGNED_WORDDOTS = MoEConfig("aligned", 16, KernelConfig(64, 128, 4, 2, swap=True, interleave=False),
+ALIGNED_WORDDOTS = MoEConfig("aligned", 16, KernelConfig(64, 128, 4, 2, swap=True, order=KOrder.WORDS),
                              KernelConfig(64, 64, 4, 2, swap=False), "bits")
-ALIGNED_PAIRS = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True, pairs=True),
-                          KernelConfig(64, 64, 4, 2, swap=True, pairs=True), "bits")
+ALIGNED_PAIRS = MoEConfig("aligned", 16, KernelConfig(64, 64, 4, 2, swap=True, order=KOrder.PAIRS),
+                          KernelConfig(64, 64, 4, 2, swap=True, order=KOrder.PAIRS), "bits")
 ALIGNED_PAIRS_NOSWAP = replace(ALIGNED_PAIRS, block_m=32, stage1=replace(ALIGNED_PAIRS.stage1, swap=False),
                                stage2=replace(ALIGNED_PAIRS.stage2, swap=False, block_k=32))
 # a pair-order stage beside an interleaving one (stage 1 writes what stage 2 reads)
@@ -38,13 +38,14 @@ ALIGNED_PAIRS_MIXED = replace(ALIGNED_PAIRS, stage2=ALIGNED.stage2)
 ALIGNED_MIXED_PAIRS = replace(ALIGNED_PAIRS, stage1=ALIGNED_WORDDOTS.stage1)
 # gate and up rows stacked in one tile (one dot per K step)
 ALIGNED_STACKED = replace(ALIGNED_PAIRS, block_m=32, stage1=replace(ALIGNED_PAIRS.stage1, block_n=32, num_warps=8,
-                                                                    stack_gate_up=True))
-ALIGNED_STACKED_NOSWAP = replace(ALIGNED_PAIRS_NOSWAP, stage1=replace(ALIGNED_PAIRS_NOSWAP.stage1, stack_gate_up=True))
+                                                                    order=KOrder.STACKED))
+ALIGNED_STACKED_NOSWAP = replace(ALIGNED_PAIRS_NOSWAP,
+                                 stage1=replace(ALIGNED_PAIRS_NOSWAP.stage1, order=KOrder.STACKED))
 # stage 2 taking several N tiles per program (K unrolled): 3 tiles of 32 over H = 128, so the second
 # program's last two tiles lie past H; two K steps of 32 over I = 64
 ALIGNED_S2_TILES = replace(ALIGNED_PAIRS, stage2=replace(ALIGNED_PAIRS.stage2, block_n=32, block_k=32, n_tiles=3))
 # the same reading inter in plain order (stage 1 stores it so) and swapping it into pair order in registers
-ALIGNED_S2_TILES_PLAIN = replace(ALIGNED_S2_TILES, stage2=replace(ALIGNED_S2_TILES.stage2, plain_inter=True))
+ALIGNED_S2_TILES_PLAIN = replace(ALIGNED_S2_TILES, stage2=replace(ALIGNED_S2_TILES.stage2, order=KOrder.PLAIN_INTER))
 ALIGNED_NOSWAP_S2_TILES = replace(ALIGNED_NOSWAP, stage2=replace(ALIGNED_NOSWAP.stage2, block_n=32, block_k=32,
                                                                   n_tiles=3))
 ALIGNED_PAIRS_NOSWAP_S2_TILES = replace(ALIGNED_PAIRS_NOSWAP, stage2=replace(ALIGNED_PAIRS_NOSWAP.stage2, block_n=32,
@@ -53,8 +54,8 @@ ALIGNED_PAIRS_NOSWAP_S2_TILES = replace(ALIGNED_PAIRS_NOSWAP, stage2=replace(ALI
 ALIGNED_PAIRS_N16 = replace(ALIGNED_PAIRS, stage1=replace(ALIGNED_PAIRS.stage1, block_n=16))
 # every pair a block of its own (no alignment launches), stacked gate/up and N tiles as on the H200;
 # pdl=True is turned off off NVIDIA sm_90+ (here: the interpreter)
-DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, pairs=True, stack_gate_up=True),
-                   KernelConfig(32, 32, 4, 2, pairs=True, n_tiles=2), "bits", pdl=True)
+DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, order=KOrder.STACKED),
+                   KernelConfig(32, 32, 4, 2, order=KOrder.PAIRS, n_tiles=2), "bits", pdl=True)
 DIRECT_INTERLEAVE = replace(ALIGNED, path="direct")
 PATHS = {"gemv": GEMV, "direct": DIRECT, "direct-interleave": DIRECT_INTERLEAVE,
          "aligned": ALIGNED, "aligned-noswap": ALIGNED_NOSWAP, "aligned-worddots": ALIGNED_WORDDOTS,
@@ -114,8 +115,8 @@ def test_stage2_word_dots(n_tiles, gen):
     """Stage 2 with eight word-strided dots needs I >= 128: its own, slightly larger problem; with
     3 N tiles of 64 per program over H = 128 the first program's last tile lies past H."""
     ex = P.experts(gen, i=128)
-    cfg = MoEConfig("aligned", 32, KernelConfig(64, 128, 4, 2, swap=False, interleave=False),
-                    KernelConfig(64, 128, 4, 2, swap=True, interleave=False, n_tiles=n_tiles), "bits")
+    cfg = MoEConfig("aligned", 32, KernelConfig(64, 128, 4, 2, swap=False, order=KOrder.WORDS),
+                    KernelConfig(64, 128, 4, 2, swap=True, order=KOrder.WORDS, n_tiles=n_tiles), "bits")
     backend = get_backend("triton", config=cfg)
     prepared = backend.prepare(ex)
     hidden = P.hidden(gen, 3)
@@ -280,7 +281,7 @@ SPLIT_S2_TAIL = replace(ALIGNED_PAIRS, block_m=16, stage2_block_m=48)
 # stage 2 taking several N tiles per program on tail blocks: the tail's activations are loaded once
 # beside the main tile's (pairs) or per step (interleave), and each tile's unrolled K runs both dots
 TAIL_S2_TILES = replace(ALIGNED_S2_TILES, block_m=48)
-TAIL_S2_TILES_PLAIN = replace(TAIL_S2_TILES, stage2=replace(TAIL_S2_TILES.stage2, plain_inter=True))
+TAIL_S2_TILES_PLAIN = replace(TAIL_S2_TILES, stage2=replace(TAIL_S2_TILES.stage2, order=KOrder.PLAIN_INTER))
 TAIL_S2_TILES_INTERLEAVE = replace(TAIL_INTERLEAVE, stage2=replace(TAIL_INTERLEAVE.stage2, block_n=32, block_k=32,
                                                                    n_tiles=3))
 TAILS = {"pairs": TAIL_PAIRS, "stacked": TAIL_STACKED, "interleave": TAIL_INTERLEAVE, "worddots": TAIL_WORDDOTS,

@@ -7,13 +7,13 @@ import torch
 import triton_problems as P
 from moe_helpers import SITU
 from kimi_k3_moe import settings
-from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton import alignment
 from kimi_k3_moe.weights.requant import requantize_experts
 
-DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, pairs=True, stack_gate_up=True),
-                   KernelConfig(32, 32, 4, 2, pairs=True, n_tiles=2), "bits")
+DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, order=KOrder.STACKED),
+                   KernelConfig(32, 32, 4, 2, order=KOrder.PAIRS, n_tiles=2), "bits")
 PATHS = {"gemv": P.GEMV, "direct": DIRECT, "aligned": P.ALIGNED, "aligned-4-launches": P.ALIGNED}
 BAD = (P.E, 10**6, -5, 2**32 + 1)  # 2**32 + 1 narrowed to int32 would be 1, a real expert
 

@@ -127,11 +127,12 @@ def test_pdl_chains_every_launch_after_the_first():
     from dataclasses import replace
 
     from kimi_k3_moe.activation import ActivationSpec
-    from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+    from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
     from kimi_k3_moe.kernels.triton import aot
     act = ActivationSpec.situv2(4.0, 25.0)
     ex = aot.meta_experts("mxfp4", 8, 256, 64)
-    direct = MoEConfig("direct", 16, KernelConfig(32, 64, pairs=True), KernelConfig(64, 64, pairs=True), "ptx")
+    direct = MoEConfig("direct", 16, KernelConfig(32, 64, order=KOrder.PAIRS),
+                       KernelConfig(64, 64, order=KOrder.PAIRS), "ptx")
     for cfg in (direct, replace(direct, path="aligned"), MoEConfig("gemv", 16, KernelConfig(16, 128),
                                                                       KernelConfig(8, 64), "ptx")):
         plain = aot.plan_for_shape(ex, 3, 4, act, cfg)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kimi_k3_moe.configs import triton_table as tt
-from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
 
 K3 = [(896, 3584, 384), (896, 3584, 192)]  # (E, H, I) per rank at TP8 and TP16
 FAR = [16384, 16385, 32768, 32769, 131072]
@@ -121,15 +121,13 @@ def test_heuristic_is_valid_for_every_token_count(e, h, i):
 
 
 def test_config_json_roundtrip_and_validation():
-    cfg = MoEConfig("aligned", 32, KernelConfig(64, 256, 4, 3, True, False), KernelConfig(128, 128, 8, 3), "ptx")
+    cfg = MoEConfig("aligned", 32, KernelConfig(64, 256, 4, 3, True, KOrder.WORDS), KernelConfig(128, 128, 8, 3), "ptx")
     assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
     assert cfg.for_target(False).decode == "bits" and cfg.for_target(True) == cfg
     with pytest.raises(ValueError, match="block_k = 256 .* K = 384"):
         MoEConfig(stage2=KernelConfig(block_k=256)).validate(3584, 384)
     with pytest.raises(ValueError, match="block_m"):
         MoEConfig(block_m=8).validate(3584, 384)
-    with pytest.raises(ValueError, match="interleave=False needs block_k >= 128"):
-        MoEConfig(stage1=KernelConfig(block_k=64, interleave=False)).validate(3584, 384)
     with pytest.raises(ValueError, match="block_n = 8 must be >= 16"):
         MoEConfig("aligned", stage1=KernelConfig(block_n=8)).validate(3584, 384)
     MoEConfig("gemv", stage1=KernelConfig(block_n=8)).validate(3584, 384)
@@ -148,13 +146,6 @@ def test_config_json_roundtrip_and_validation():
         MoEConfig(block_m=96, stage1=KernelConfig(swap=False), stage2_block_m=128).validate(3584, 384)
     MoEConfig(block_m=96, stage2=KernelConfig(swap=False), stage2_block_m=128).validate(3584, 384)
     MoEConfig(block_m=160, stage2=KernelConfig(n_tiles=4)).validate(3584, 384)  # each tile runs both dots
-    MoEConfig(stage2=KernelConfig(pairs=True, n_tiles=4, plain_inter=True)).validate(3584, 384)
-    for bad in (KernelConfig(pairs=True, plain_inter=True), KernelConfig(n_tiles=4, plain_inter=True)):
-        with pytest.raises(ValueError, match="plain_inter needs pairs and n_tiles > 1"):
-            MoEConfig(stage2=bad).validate(3584, 384)
-    plain = MoEConfig(stage2=KernelConfig(pairs=True, n_tiles=4, plain_inter=True))
-    assert MoEConfig.from_json(json.loads(json.dumps(plain.to_json()))) == plain
-    assert "plain_inter" not in MoEConfig().to_json()["stage2"]  # older tables keep their form
     with pytest.raises(ValueError, match="stage2_block_m 80"):
         MoEConfig(stage2_block_m=80).validate(3584, 384)
     split = MoEConfig(block_m=96, stage2_block_m=128)
@@ -168,12 +159,90 @@ def test_config_json_roundtrip_and_validation():
     assert tt.device_key("NVIDIA H200") == "nvidia_h200"
 
 
+
+def test_k_order_rules():
+    """One field says the K order; validate keeps each order's needs: word dots a K step of 128+,
+    plain-inter several N tiles (stage 2 only, so), stacked gate/up rows stage 1 only."""
+    assert KernelConfig().order == KOrder.INTERLEAVE
+    assert KernelConfig(order="pairs") == KernelConfig(order=KOrder.PAIRS)  # a string is the same config
+    assert [o.pairs for o in KOrder] == [False, False, True, True, True]
+    MoEConfig(stage1=KernelConfig(block_k=128, order=KOrder.WORDS)).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage1: order 'words' needs block_k >= 128"):
+        MoEConfig(stage1=KernelConfig(block_k=64, order=KOrder.WORDS)).validate(3584, 384)
+    MoEConfig(stage1=KernelConfig(block_k=64, order=KOrder.PAIRS)).validate(3584, 384)
+    MoEConfig(stage2=KernelConfig(n_tiles=4, order=KOrder.PLAIN_INTER)).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage2: order 'plain-inter' needs n_tiles > 1"):
+        MoEConfig(stage2=KernelConfig(order=KOrder.PLAIN_INTER)).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage1: order 'plain-inter' needs n_tiles > 1"):
+        MoEConfig(stage1=KernelConfig(order=KOrder.PLAIN_INTER)).validate(3584, 384)
+    MoEConfig(stage1=KernelConfig(order=KOrder.STACKED)).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage2: order 'stacked' is stage 1's"):
+        MoEConfig(stage2=KernelConfig(order=KOrder.STACKED)).validate(3584, 384)
+    for order in KOrder:
+        cfg = MoEConfig(stage2=KernelConfig(order=order, n_tiles=4))
+        d = cfg.to_json()
+        assert d["stage2"]["order"] == order.value and not set(tt.LEGACY_ORDER_FLAGS) & set(d["stage2"])
+        assert MoEConfig.from_json(json.loads(json.dumps(d))) == cfg
+
+
+LEGACY = [({}, KOrder.INTERLEAVE), ({"interleave": True}, KOrder.INTERLEAVE),
+          ({"interleave": False}, KOrder.WORDS),
+          ({"interleave": True, "pairs": False, "stack_gate_up": False}, KOrder.INTERLEAVE),
+          ({"interleave": True, "pairs": True, "stack_gate_up": False}, KOrder.PAIRS),
+          ({"interleave": False, "pairs": True}, KOrder.PAIRS),  # pairs won over interleave
+          ({"interleave": True, "pairs": True, "stack_gate_up": True}, KOrder.STACKED),
+          ({"interleave": True, "pairs": True, "stack_gate_up": False, "plain_inter": True}, KOrder.PLAIN_INTER)]
+
+
+@pytest.mark.parametrize("flags,order", LEGACY)
+def test_a_table_entry_of_the_previous_release_reads_as_its_order(flags, order):
+    """User tables written before `order` hold four booleans instead; each entry means one order."""
+    stage = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3, "swap": True, **flags, "n_tiles": 4}
+    assert tt.order_from_flags(**flags) == order
+    assert KernelConfig.from_json(stage) == KernelConfig(order=order, n_tiles=4)
+    legacy = {"path": "aligned", "block_m": 16, "stage1": {"block_n": 64, **flags}, "stage2": stage}
+    cfg = MoEConfig.from_json(legacy)
+    assert cfg.stage2.order == order and cfg.stage1 == KernelConfig(order=order)
+    assert MoEConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.parametrize("flags", [{"stack_gate_up": True}, {"interleave": True, "plain_inter": True},
+                                   {"pairs": True, "stack_gate_up": True, "plain_inter": True}])
+def test_a_previous_release_entry_that_meant_no_order_is_refused(flags):
+    with pytest.raises(ValueError, match="^stage1: stack_gate_up and plain_inter each refine pairs"):
+        MoEConfig.from_json({"path": "aligned", "stage1": flags, "stage2": {}})
+
+
+def test_an_unknown_or_doubled_order_is_a_one_line_error():
+    with pytest.raises(ValueError) as exc:
+        MoEConfig.from_json({"path": "aligned", "stage1": {}, "stage2": {"order": "zigzag"}})
+    assert str(exc.value).startswith("stage2.order 'zigzag' not in ('words', 'interleave', 'pairs', 'stacked', ")
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="^order 'zigzag' not in"):
+        KernelConfig(order="zigzag")
+    with pytest.raises(ValueError, match="^stage1: both order and pairs"):
+        MoEConfig.from_json({"path": "aligned", "stage1": {"order": "pairs", "pairs": True}, "stage2": {}})
+    bad = synthetic_table()
+    next(iter(bad["tritons"]["3.8"]["entries"].values()))["tiers"]["64"]["stage1"]["order"] = "zigzag"
+    with pytest.raises(ValueError, match="^stage1.order 'zigzag' not in"):
+        tt.lookup("x", "mxfp4", 896, 3584, 384, 64, is_cuda=True, table=bad, triton="3.8")
+
+
+def test_shipped_tables_say_order_not_the_booleans():
+    for path in shipped_tables():
+        for section in json.loads(path.read_text())["tritons"].values():
+            for entry in section["entries"].values():
+                for cfg in entry["tiers"].values():
+                    for stage in ("stage1", "stage2"):
+                        assert "order" in cfg[stage] and not set(tt.LEGACY_ORDER_FLAGS) & set(cfg[stage]), path
+
+
 def test_small_batch_options_are_validated_and_round_trip():
     """The direct path (one pair per 16-row block) and pdl (every path; kept on CUDA targets with
     programmatic dependent launch only) survive JSON and are refused where meaningless."""
     gemv = MoEConfig("gemv", 16, KernelConfig(16, 512), KernelConfig(8, 128), "ptx", pdl=True)
-    direct = MoEConfig("direct", 16, KernelConfig(32, 256, pairs=True, stack_gate_up=True),
-                       KernelConfig(64, 128, pairs=True, n_tiles=2), "ptx", pdl=True)
+    direct = MoEConfig("direct", 16, KernelConfig(32, 256, order=KOrder.STACKED),
+                       KernelConfig(64, 128, order=KOrder.PAIRS, n_tiles=2), "ptx", pdl=True)
     for cfg in (gemv, direct):
         cfg.validate(3584, 384)
         assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
@@ -246,4 +315,4 @@ def test_a_full_tune_tries_the_many_tile_stage_2_at_4096_plus():
             for t in ts.TAIL_S2_TILES:
                 assert (ts.kc(t), ts.SPLIT_STAGE2_BLOCK_M) in got, t
                 assert ((ts.kc(t), None) in got) == (bm * 384 * 2 <= ts.TILES_X_BYTES), (bm, t)
-    assert {ts.kc(t).plain_inter for t in ts.TAIL_S2_TILES} == {False, True}
+    assert {ts.kc(t).order for t in ts.TAIL_S2_TILES} == {KOrder.PAIRS, KOrder.PLAIN_INTER}

@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.configs.triton_table import MoEConfig
+from kimi_k3_moe.configs.triton_table import KOrder, MoEConfig
 from kimi_k3_moe.kernels.triton.alignment import align_launches, direct_pairs
+from kimi_k3_moe.kernels.triton.korder import stored_order
 from kimi_k3_moe.kernels.triton.launch import Launch, chain_dependents
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, word_order
@@ -40,13 +41,12 @@ def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, o
         (pairs, *rest), launches = align_launches(topk_ids, expert_map, experts.num_experts, block_ms)
         pairs2 = rest[0] if rest else pairs
     x = hidden
-    if s1_cfg.pairs:
+    stored = stored_order(s1_cfg)  # stage 1 reads hidden from memory in that order
+    if stored == KOrder.PAIRS:
         x, permute = pair_order(hidden)
         launches.append(permute)
-    elif not s1_cfg.interleave:
+    elif stored == KOrder.WORDS:
         x, permute = word_order(hidden, s1_cfg.block_k)
         launches.append(permute)
-    inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode,
-                               out_block_k=0 if s2_cfg.pairs or s2_cfg.interleave else s2_cfg.block_k,
-                               out_pairs=s2_cfg.pairs and not s2_cfg.plain_inter)
+    inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode, s2_cfg)
     return [*launches, s1, *stage2_aligned(experts, inter, pairs2, topk_weights, out, s2_cfg, config.decode)]

@@ -14,6 +14,7 @@ from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
 from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_pairs_kernel, permute_words_kernel
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
+from kimi_k3_moe.kernels.triton.korder import stage1_args
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.experts import MXFP4
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
@@ -86,10 +87,9 @@ def pair_order(hidden: torch.Tensor, block_t: int = 16, block_k: int = 512) -> t
 
 def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
                    activation: ActivationSpec, cfg: KernelConfig, decode: str,
-                   out_block_k: int = 0, out_pairs: bool = False) -> tuple[torch.Tensor, Launch]:
-    """`hidden` must already be in pair order when cfg.pairs, in word order when neither
-    cfg.pairs nor cfg.interleave; inter
-    comes out in pair order (out_pairs), else in word order of out_block_k tiles (0: plain)."""
+                   stage2: KernelConfig) -> tuple[torch.Tensor, Launch]:
+    """`hidden` must already be in the order cfg reads (korder.stored_order); inter comes out in
+    the order `stage2` (stage 2's config) reads."""
     inter_size = experts.intermediate_size
     inter = torch.empty(pairs.num_pairs, inter_size, dtype=torch.bfloat16, device=hidden.device)  # per pair
     args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
@@ -97,10 +97,8 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
                 sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
                 num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
                 inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
-                TOPK=topk, SWAP=cfg.swap, INTERLEAVE=cfg.interleave,
-                PAIRS=cfg.pairs, **row_tile_args(pairs), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                OUT_BLOCK_K=out_block_k, OUT_PAIRS=out_pairs,
-                STACK_GATE_UP=cfg.stack_gate_up, PDL=False)
+                TOPK=topk, SWAP=cfg.swap, **stage1_args(cfg, stage2), **row_tile_args(pairs),
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=False)
     grid = (pairs.max_blocks * cdiv(inter_size, cfg.block_n),)
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
 

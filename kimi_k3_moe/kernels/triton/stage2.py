@@ -9,6 +9,7 @@ from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage2_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.elementwise_kernels import cast_kernel, zero_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_kernel, topk_reduce_kernel
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
+from kimi_k3_moe.kernels.triton.korder import stage2_args
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.stage1 import row_tile_args, weight_args
@@ -28,9 +29,9 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
         y_ptr=y, stride_ym=y.stride(0), topk_w_ptr=topk_weights.reshape(-1),
         sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
         num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
-        SWAP=cfg.swap, INTERLEAVE=cfg.interleave, PAIRS=cfg.pairs,
+        SWAP=cfg.swap, **stage2_args(cfg),
         **row_tile_args(pairs), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles,
-        PLAIN_INTER=cfg.plain_inter, PDL=False), cfg.num_warps, cfg.num_stages, "stage2.aligned")
+        PDL=False), cfg.num_warps, cfg.num_stages, "stage2.aligned")
     return [matmul, topk_reduce(y, pairs, out, topk)]
 
 

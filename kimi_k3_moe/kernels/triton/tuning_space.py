@@ -11,38 +11,38 @@ from itertools import product
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs import triton_table as tt
-from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
 
 TIERS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 TOPK = 16
 ACT = ActivationSpec.situv2(4.0, 25.0)
 GEMV_MAX_TOKENS = 16
 
-# (block_n, block_k, num_warps, num_stages[, order[, n_tiles]]), order True: interleave, False: word dots,
+# (block_n, block_k, num_warps, num_stages[, order[, n_tiles]]), order a KOrder (INTERLEAVE when absent),
 # PAIRS: one dot per K step on the pair order; STACKED: the same on one stacked gate/up tile (the H200's winners at 16-256 tokens;
 # block_k 256 is faster still under Triton 3.6, the H200 table's; it spills under 3.9). The GEMV path does its own
 # one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
 GEMV_S1 = [(16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 512, 4, 1)]
 GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
 # most promising first: the secondary entries try only the first QUICK of each list
-PAIRS = "pairs"
-STACKED = "stacked"  # pairs, gate and up rows in one tile (H200 winners at 16-64 tokens MXFP4, 4096+ int4)
-PLAIN_INTER = "plain-inter"  # pairs on several N tiles, inter read in plain order (KernelConfig.plain_inter)
+WORDS, INTERLEAVE, PAIRS = KOrder.WORDS, KOrder.INTERLEAVE, KOrder.PAIRS
+STACKED = KOrder.STACKED  # pairs, gate and up rows in one tile (H200 winners at 16-64 tokens MXFP4, 4096+ int4)
+PLAIN_INTER = KOrder.PLAIN_INTER  # pairs on several N tiles, inter read in plain order
 ALIGNED_S1 = [(64, 128, 4, 3, PAIRS), (32, 128, 4, 3, STACKED), (64, 128, 8, 3, STACKED), (64, 256, 4, 3, PAIRS),
               # the H200's winners at 4096+ on tail blocks: MXFP4 the first, int4 the second
               (64, 64, 8, 3, STACKED), (64, 64, 4, 3, STACKED),
-              (64, 256, 4, 3, False), (128, 64, 8, 4, True), (64, 128, 4, 4, False), (128, 128, 8, 3, True),
-              (128, 256, 8, 3, False), (128, 128, 8, 4, False), (64, 256, 8, 3, False), (64, 128, 4, 3, True),
+              (64, 256, 4, 3, WORDS), (128, 64, 8, 4, INTERLEAVE), (64, 128, 4, 4, WORDS), (128, 128, 8, 3, INTERLEAVE),
+              (128, 256, 8, 3, WORDS), (128, 128, 8, 4, WORDS), (64, 256, 8, 3, WORDS), (64, 128, 4, 3, INTERLEAVE),
               # two stages: less shared memory per CTA, so more CTAs per SM on the latency-bound sizes
-              (64, 256, 4, 2, False), (64, 128, 4, 2, False), (128, 128, 8, 2, False)]
-ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS), (128, 64, 8, 3, True),
-              (256, 128, 8, 3, True), (256, 64, 8, 3, True),  # 4096+ on 128-row blocks, not swapped
-              (128, 128, 8, 3, False), (64, 64, 4, 4, True), (256, 128, 8, 3, False),
-              (128, 128, 8, 3, True), (128, 128, 4, 4, False), (64, 128, 4, 3, False)]
+              (64, 256, 4, 2, WORDS), (64, 128, 4, 2, WORDS), (128, 128, 8, 2, WORDS)]
+ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PAIRS), (128, 64, 8, 3, INTERLEAVE),
+              (256, 128, 8, 3, INTERLEAVE), (256, 64, 8, 3, INTERLEAVE),  # 4096+ on 128-row blocks, not swapped
+              (128, 128, 8, 3, WORDS), (64, 64, 4, 4, INTERLEAVE), (256, 128, 8, 3, WORDS),
+              (128, 128, 8, 3, INTERLEAVE), (128, 128, 4, 4, WORDS), (64, 128, 4, 3, WORDS)]
 # stage 2 with several N tiles per program (KernelConfig.n_tiles; the H200's winners at 4-1024 tokens),
 # tried up to TILES_MAX_TOKENS: above, the 128-row blocks measured slower with it
 ALIGNED_S2_TILES = [(64, 128, 4, 3, PAIRS, 8), (64, 128, 4, 3, PAIRS, 14), (64, 64, 4, 2, PAIRS, 4),
-                    (128, 128, 4, 2, False, 4)]
+                    (128, 128, 4, 2, WORDS, 4)]
 TILES_MAX_TOKENS = 1024
 # the direct path (one pair per 16-row block, no alignment launches) at the GEMV tiers, with
 # programmatic dependent launch; the H200's winners at 1-16 tokens first
@@ -67,7 +67,7 @@ TAIL_BLOCKS = {4096: (96,), 16384: (160, 192)}
 # the tiles that win on tail blocks on the H200: stage 1 MXFP4 (64, 64, 8 warps) and int4
 # (4 warps), 64 x 128 at 16384; stage 2 not swapped 256 x 128 and 256 x 64 on its own 128-row blocks
 TAIL_S1_WINNERS = [(64, 64, 8, 3, STACKED), (64, 64, 4, 3, STACKED), (64, 128, 8, 3, STACKED)]
-TAIL_S2_WINNERS = [(256, 128, 8, 3, True), (256, 64, 8, 3, True)]
+TAIL_S2_WINNERS = [(256, 128, 8, 3, INTERLEAVE), (256, 64, 8, 3, INTERLEAVE)]
 SPLIT_STAGE2_BLOCK_M = 128
 # stage 2 swapped (weights the register operand, so its wgmmas chain) on 28 N tiles of 64 per
 # program, the row block's activations loaded once into shared memory for all of them: the H200's
@@ -96,11 +96,9 @@ def swaps(block_m: int) -> list[bool]:
 
 def kc(t, swap=True) -> KernelConfig:
     bn, bk, w, s, *rest = t
-    order = rest[0] if rest else True
+    order = rest[0] if rest else INTERLEAVE
     n_tiles = rest[1] if len(rest) > 1 else 1
-    return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap,
-                        interleave=order is not False, pairs=order in (PAIRS, STACKED, PLAIN_INTER),
-                        stack_gate_up=order == STACKED, n_tiles=n_tiles, plain_inter=order == PLAIN_INTER)
+    return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap, order=order, n_tiles=n_tiles)
 
 
 def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
@@ -110,7 +108,7 @@ def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
         return False
     s2 = cfg.stage2
     held = cfg.block_ms[1] * inter * 2
-    return not (cfg.path == "aligned" and s2.pairs and s2.n_tiles > 1 and held > TILES_X_BYTES)
+    return not (cfg.path == "aligned" and s2.order.pairs and s2.n_tiles > 1 and held > TILES_X_BYTES)
 
 
 def candidates(tier: int, hidden: int, inter: int, quick: bool = False):

@@ -7,6 +7,13 @@ DECODE_BITS = 0  # portable Triton integer/float ops, one element at a time
 DECODE_PTX = 1   # inline PTX producing bf16 pairs (NVIDIA sm_80+); MXFP4: one multiply, scales <= 2
 DECODE_PTX_WIDE = 2  # the same for MXFP4 weights with a scale above 2: two multiplies
 
+# configs/triton_table.KOrder as the aligned kernels' ORDER and OUT_ORDER (kernels/triton/korder.py)
+ORDER_WORDS = 0
+ORDER_INTERLEAVE = 1
+ORDER_PAIRS = 2
+ORDER_STACKED = 3
+ORDER_PLAIN_INTER = 4
+
 # MXFP4 word layout (layout.py writes it, decode.py reads it): bit of the lowest magnitude bit and
 # of the sign of element v0..v7. Pair j = (v2j, v2j+1) must end as two bf16 halves with the
 # magnitude at bits 6-8 and the sign at 15; these positions get pairs 1 and 2 there with one shift

@@ -20,6 +20,7 @@ holds ~73 rows, which a 64 + 32 block covers in one decode with 24 % padding whe
 import triton
 import triton.language as tl
 
+from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import (load_weight_pairs, load_weight_tile, load_weight_words,
                                                         pair_order, to_pair_order, word_k_offsets)
@@ -27,6 +28,14 @@ from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
 from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
+
+# ORDER / OUT_ORDER (kernels/triton/korder.py): the K step helpers below take words, interleave, or any
+# other order as pairs (stacked and plain-inter are pair order with another tile or load)
+ORDER_WORDS = tl.constexpr(C.ORDER_WORDS)
+ORDER_INTERLEAVE = tl.constexpr(C.ORDER_INTERLEAVE)
+ORDER_PAIRS = tl.constexpr(C.ORDER_PAIRS)
+ORDER_STACKED = tl.constexpr(C.ORDER_STACKED)
+ORDER_PLAIN_INTER = tl.constexpr(C.ORDER_PLAIN_INTER)
 
 
 @triton.jit
@@ -145,18 +154,17 @@ def _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, 
 
 
 @triton.jit
-def _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, ORDER: tl.constexpr, BLOCK_K: tl.constexpr):
     """The activations of the K step at k0 in the config's K order, as `_dot_step` takes them:
-    (x,) in pair order, (xa, xb) for the interleaved halves, else the eight word views."""
-    if PAIRS:
-        return _load_x_pairs(x_plain, row_ok, k0, False)
-    elif INTERLEAVE:
+    the eight word views, (xa, xb) for the interleaved halves, else (x,) in pair order."""
+    if ORDER == ORDER_WORDS:
+        return _load_x_words(x_words + k0, row_ok[:, None], BLOCK_K // 8)
+    elif ORDER == ORDER_INTERLEAVE:
         xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
         xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
         return xa, xb
     else:
-        return _load_x_words(x_words + k0, row_ok[:, None], BLOCK_K // 8)
+        return _load_x_pairs(x_plain, row_ok, k0, False)
 
 
 @triton.jit
@@ -171,36 +179,34 @@ def _load_x_pairs(x_plain, row_ok, k0, PLAIN: tl.constexpr):
 
 @triton.jit
 def _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                 DECODE: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 DECODE: tl.constexpr, ORDER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile of the K step at k0, decoded in the config's K order (as `_load_x_step`)."""
-    if PAIRS:
-        return (load_weight_pairs(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K),)
-    elif INTERLEAVE:
+    if ORDER == ORDER_WORDS:
+        return load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+    elif ORDER == ORDER_INTERLEAVE:
         return load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
     else:
-        return load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+        return (load_weight_pairs(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K),)
 
 
 @triton.jit
-def _dot_step(acc, xs, ws, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr):
+def _dot_step(acc, xs, ws, SWAP: tl.constexpr, ORDER: tl.constexpr):
     """acc += xs . ws, one K step of `_load_x_step` activations and `_load_w_step` weights."""
-    if PAIRS:
-        acc = _dot1(acc, xs[0], ws[0], SWAP)
-    elif INTERLEAVE:
-        acc = _acc_dot(acc, xs[0], xs[1], ws[0], ws[1], SWAP)
-    else:
+    if ORDER == ORDER_WORDS:
         acc = _word_dots(acc, xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7],
                          ws[0], ws[1], ws[2], ws[3], ws[4], ws[5], ws[6], ws[7], SWAP)
+    elif ORDER == ORDER_INTERLEAVE:
+        acc = _acc_dot(acc, xs[0], xs[1], ws[0], ws[1], SWAP)
+    else:
+        acc = _dot1(acc, xs[0], ws[0], SWAP)
     return acc
 
 
 @triton.jit
 def _gate_up_pair(x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain, row_ok_t, ka, gate_rows, gate_s,
                   gate_o, up_rows, up_s, up_o, mask_n, hidden: tl.constexpr, FMT: tl.constexpr,
-                  HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr,
-                  PAIRS: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
+                  BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Stage 1's K loop with separate gate and up tiles and accumulators: the gate and up sums of the
     main rows, each [BLOCK_M, BLOCK_N], and of the tail rows (the main ones again if TAIL_M is 0)."""
     acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
@@ -209,24 +215,22 @@ def _gate_up_pair(x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain,
         acc_gt = acc_zeros(TAIL_M, BLOCK_N, SWAP)
         acc_ut = acc_zeros(TAIL_M, BLOCK_N, SWAP)
     for k0 in range(0, hidden, BLOCK_K):
-        xs = _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
+        xs = _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, ORDER, BLOCK_K)
         if TAIL_M > 0:
-            xts = _load_x_step(xt_rows, xt_words, xt_plain, row_ok_t, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
-        gs = _load_w_step(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
-                          BLOCK_N, BLOCK_K)
-        if not (PAIRS or INTERLEAVE):  # eight word dots each: gate's are issued before up's tile is decoded
-            acc_g = _dot_step(acc_g, xs, gs, SWAP, INTERLEAVE, PAIRS)
+            xts = _load_x_step(xt_rows, xt_words, xt_plain, row_ok_t, ka, k0, ORDER, BLOCK_K)
+        gs = _load_w_step(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, ORDER, BLOCK_N, BLOCK_K)
+        if ORDER == ORDER_WORDS:  # eight word dots each: gate's are issued before up's tile is decoded
+            acc_g = _dot_step(acc_g, xs, gs, SWAP, ORDER)
             if TAIL_M > 0:
-                acc_gt = _dot_step(acc_gt, xts, gs, SWAP, INTERLEAVE, PAIRS)
-        us = _load_w_step(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
-                          BLOCK_N, BLOCK_K)
-        if PAIRS or INTERLEAVE:
-            acc_g = _dot_step(acc_g, xs, gs, SWAP, INTERLEAVE, PAIRS)
+                acc_gt = _dot_step(acc_gt, xts, gs, SWAP, ORDER)
+        us = _load_w_step(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, ORDER, BLOCK_N, BLOCK_K)
+        if ORDER != ORDER_WORDS:
+            acc_g = _dot_step(acc_g, xs, gs, SWAP, ORDER)
             if TAIL_M > 0:
-                acc_gt = _dot_step(acc_gt, xts, gs, SWAP, INTERLEAVE, PAIRS)
-        acc_u = _dot_step(acc_u, xs, us, SWAP, INTERLEAVE, PAIRS)
+                acc_gt = _dot_step(acc_gt, xts, gs, SWAP, ORDER)
+        acc_u = _dot_step(acc_u, xs, us, SWAP, ORDER)
         if TAIL_M > 0:
-            acc_ut = _dot_step(acc_ut, xts, us, SWAP, INTERLEAVE, PAIRS)
+            acc_ut = _dot_step(acc_ut, xts, us, SWAP, ORDER)
     if SWAP:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
@@ -313,20 +317,20 @@ def stage1_aligned_kernel(
     num_pairs, num_ids, num_local, inter_size, hidden: tl.constexpr,
     beta, linear_beta,
     TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
-    DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
+    DECODE: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    OUT_BLOCK_K: tl.constexpr, OUT_PAIRS: tl.constexpr, STACK_GATE_UP: tl.constexpr, DIRECT: tl.constexpr,
+    OUT_BLOCK_K: tl.constexpr, OUT_ORDER: tl.constexpr, DIRECT: tl.constexpr,
     HAS_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
     """inter[pair, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
 
-    PAIRS: one dot per K step per accumulator, x (already in pair order) and the weights
-    in pair order; else INTERLEAVE: x in plain order, weights regrouped in registers;
-    else x in word order of BLOCK_K tiles and eight dots per step. inter goes out in pair
-    order (OUT_PAIRS), in word order of OUT_BLOCK_K tiles (what stage 2's word dots read), or
-    plain when OUT_BLOCK_K is 0. Padded rows are not stored. STACK_GATE_UP (with PAIRS): one
-    dot per K step on the stacked gate/up tile (_gate_up_stacked). DIRECT: _row_block. PDL:
-    _details/pdl.py."""
+    ORDER_PAIRS: one dot per K step per accumulator, x (already in pair order) and the weights
+    in pair order; ORDER_STACKED: the same on one stacked gate/up tile (_gate_up_stacked);
+    ORDER_INTERLEAVE: x in plain order, weights regrouped in registers; ORDER_WORDS: x in word
+    order of BLOCK_K tiles and eight dots per step. inter goes out as stage 2 reads it
+    (korder.stage1_args): OUT_ORDER ORDER_PAIRS in pair order, ORDER_WORDS in word order of
+    OUT_BLOCK_K tiles (what stage 2's word dots read), ORDER_INTERLEAVE plain. Padded rows are
+    not stored. DIRECT: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
     live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
@@ -354,8 +358,8 @@ def stage1_aligned_kernel(
     x_plain = x_rows + tl.arange(0, BLOCK_K)[None, :]
     xt_words = xt_rows + tl.arange(0, BLOCK_K // 8)[None, :]
     xt_plain = xt_rows + tl.arange(0, BLOCK_K)[None, :]
-    if STACK_GATE_UP:
-        tl.static_assert(PAIRS, "STACK_GATE_UP reads the weights in pair order")
+    tl.static_assert(ORDER != ORDER_PLAIN_INTER, "plain-inter is stage 2's")
+    if ORDER == ORDER_STACKED:
         acc_g, acc_u, acc_gt, acc_ut = _gate_up_stacked(
             x_plain, row_ok, xt_plain, row_ok_t, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr, e * stride_we,
             e * stride_se, pid_n, inter_size, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, BLOCK_M, TAIL_M, BLOCK_N,
@@ -363,16 +367,16 @@ def stage1_aligned_kernel(
     else:
         acc_g, acc_u, acc_gt, acc_ut = _gate_up_pair(
             x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain, row_ok_t, ka, gate_rows, gate_s,
-            gate_o, up_rows, up_s, up_o, mask_n, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS,
+            gate_o, up_rows, up_s, up_o, mask_n, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, ORDER,
             BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
     # pair order swapped in registers needs whole 32-groups in the tile; a 16-wide one scatters
-    SWAP_OUT: tl.constexpr = OUT_PAIRS and BLOCK_N % 32 == 0
-    if OUT_PAIRS:
+    SWAP_OUT: tl.constexpr = OUT_ORDER == ORDER_PAIRS and BLOCK_N % 32 == 0
+    if OUT_ORDER == ORDER_PAIRS:
         if SWAP_OUT:
             dest = offs_n
         else:
             dest = pair_order(offs_n)
-    elif OUT_BLOCK_K > 0:
+    elif OUT_ORDER == ORDER_WORDS:
         dest = word_position(offs_n, OUT_BLOCK_K)
     else:
         dest = offs_n
@@ -387,9 +391,8 @@ def stage1_aligned_kernel(
 def _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t, ka, w_ptr,
                  w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn: tl.constexpr, y_ptr, stride_ym, topk_w_ptr, n0,
                  hidden, inter_size: tl.constexpr, xs, xts, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                 DECODE: tl.constexpr, SWAP: tl.constexpr, INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UNROLL_K: tl.constexpr):
+                 DECODE: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
+                 TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr):
     """One tile of y starting at column n0 (BLOCK_M main rows, TAIL_M tail rows on the same decoded
     weights): the K loop and the store."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -403,30 +406,28 @@ def _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_p
         acc_t = acc_zeros(TAIL_M, BLOCK_N, SWAP)
     if UNROLL_K:  # the caller's tile loop is the pipelined one: all of K in one iteration
         for i in tl.static_range(inter_size // BLOCK_K):
-            if PAIRS:  # the activations were loaded once for all tiles (xs, the tail's xts)
+            if ORDER == ORDER_PAIRS or ORDER == ORDER_PLAIN_INTER:  # loaded once for all tiles (xs, the tail's xts)
                 x = (xs[i],)
             else:
-                x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, i * BLOCK_K, INTERLEAVE, PAIRS, BLOCK_K)
-            w = _load_w_step(w_rows, s_rows, o_rows, i * BLOCK_K, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE,
-                             PAIRS, BLOCK_N, BLOCK_K)
-            acc = _dot_step(acc, x, w, SWAP, INTERLEAVE, PAIRS)
+                x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, i * BLOCK_K, ORDER, BLOCK_K)
+            w = _load_w_step(w_rows, s_rows, o_rows, i * BLOCK_K, mask_n, FMT, HAS_OFFSETS, DECODE, ORDER,
+                             BLOCK_N, BLOCK_K)
+            acc = _dot_step(acc, x, w, SWAP, ORDER)
             if TAIL_M > 0:
-                if PAIRS:
+                if ORDER == ORDER_PAIRS or ORDER == ORDER_PLAIN_INTER:
                     xt = (xts[i],)
                 else:
-                    xt = _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, i * BLOCK_K, INTERLEAVE, PAIRS,
-                                      BLOCK_K)
-                acc_t = _dot_step(acc_t, xt, w, SWAP, INTERLEAVE, PAIRS)
+                    xt = _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, i * BLOCK_K, ORDER, BLOCK_K)
+                acc_t = _dot_step(acc_t, xt, w, SWAP, ORDER)
     else:
         for k0 in range(0, inter_size, BLOCK_K):
-            x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
+            x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, ORDER, BLOCK_K)
             if TAIL_M > 0:
-                xt = _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, k0, INTERLEAVE, PAIRS, BLOCK_K)
-            w = _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, INTERLEAVE, PAIRS,
-                             BLOCK_N, BLOCK_K)
-            acc = _dot_step(acc, x, w, SWAP, INTERLEAVE, PAIRS)
+                xt = _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, k0, ORDER, BLOCK_K)
+            w = _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, ORDER, BLOCK_N, BLOCK_K)
+            acc = _dot_step(acc, x, w, SWAP, ORDER)
             if TAIL_M > 0:
-                acc_t = _dot_step(acc_t, xt, w, SWAP, INTERLEAVE, PAIRS)
+                acc_t = _dot_step(acc_t, xt, w, SWAP, ORDER)
     _store_y(acc, pair, row_ok, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP)
     if TAIL_M > 0:
         _store_y(acc_t, pair_t, row_ok_t, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP)
@@ -454,9 +455,9 @@ def stage2_aligned_kernel(
     sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
     num_pairs, num_ids, num_local, hidden, inter_size: tl.constexpr,
     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
-    INTERLEAVE: tl.constexpr, PAIRS: tl.constexpr,
+    ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_TILES: tl.constexpr, PLAIN_INTER: tl.constexpr, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr,
+    N_TILES: tl.constexpr, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """y[pair, n] = router_weight[pair] * (inter[pair] . W2_e[n]), stored per (token, slot) pair.
@@ -465,10 +466,12 @@ def stage2_aligned_kernel(
     K steps are unrolled and the tile loop is the pipelined one, so the next tiles' weights are in
     flight during a tile's decode and store (K = I is a few steps: a K loop per tile starts from an
     empty pipeline every time).
-    PAIRS: inter in pair order, one dot per K step; with PLAIN_INTER (N_TILES > 1) inter is read in
-    plain order and swapped into pair order in registers as it is loaded. Padded rows (never stored by stage 1)
-    are not loaded. DIRECT: _row_block. PDL: _details/pdl.py."""
+    ORDER as stage 1's (words, interleave, pairs: one dot per K step on inter in pair order), or
+    ORDER_PLAIN_INTER (N_TILES > 1): pair order with inter read in plain order and swapped into pair
+    order in registers as it is loaded. Padded rows (never stored by stage 1) are not loaded.
+    DIRECT: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
+    tl.static_assert(ORDER != ORDER_STACKED, "stacked is stage 1's")
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
     live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
                                                          num_pairs, num_ids, num_local, DIRECT, HAS_MAP,
@@ -492,19 +495,20 @@ def stage2_aligned_kernel(
     if N_TILES == 1:
         _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t, ka,
                      w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym, topk_w_ptr,
-                     pid_g * BLOCK_N, hidden, inter_size, xs, xts, FMT, HAS_OFFSETS, DECODE, SWAP, INTERLEAVE, PAIRS,
+                     pid_g * BLOCK_N, hidden, inter_size, xs, xts, FMT, HAS_OFFSETS, DECODE, SWAP, ORDER,
                      BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, False)
     else:
-        if PAIRS:  # the block's activations, all of K, loaded once for its N tiles
+        # the block's activations, all of K, loaded once for its N tiles
+        if ORDER == ORDER_PAIRS or ORDER == ORDER_PLAIN_INTER:
             for k0 in tl.static_range(0, inter_size, BLOCK_K):
-                xs = xs + _load_x_pairs(a_plain, row_ok, k0, PLAIN_INTER)
+                xs = xs + _load_x_pairs(a_plain, row_ok, k0, ORDER == ORDER_PLAIN_INTER)
                 if TAIL_M > 0:
-                    xts = xts + _load_x_pairs(at_plain, row_ok_t, k0, PLAIN_INTER)
+                    xts = xts + _load_x_pairs(at_plain, row_ok_t, k0, ORDER == ORDER_PLAIN_INTER)
         for t in range(0, N_TILES):
             _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t,
                          ka, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym,
                          topk_w_ptr, (pid_g * N_TILES + t) * BLOCK_N, hidden, inter_size, xs, xts, FMT, HAS_OFFSETS,
-                         DECODE, SWAP, INTERLEAVE, PAIRS, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, True)
+                         DECODE, SWAP, ORDER, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, True)
 
 
 @triton.jit
