@@ -295,18 +295,18 @@ def test_an_entry_tuned_under_another_triton_serves_only_once_it_compiles_withou
 
     from kimi_k3_moe.kernels.triton import aot, backend
     table = tt.load_table("nvidia_h200")
-    args = ("nvidia_h200", "mxfp4", 56, 3584, 3072, 64)            # EP16: tuned under 3.6 only
+    args = ("nvidia_h200", "mxfp4", 56, 3584, 3072, 64)            # EP16: 3.8 is the section nearest 9.9
     backend._spills.cache_clear()
     found = tt.lookup(*args, is_cuda=True, table=table, triton="9.9", verify=backend.spill_check("sm_90"))
-    prefix = "table nvidia_h200 triton 3.6 mxfp4/E56_N6144_K3584 tier 64"
-    assert found.source == f"{prefix} (tuned under Triton 3.6; compiled without spills under Triton 9.9)" \
-        or found.source.startswith(f"heuristic ({prefix}, tuned under Triton 3.6: "), found.source
+    prefix = "table nvidia_h200 triton 3.8 mxfp4/E56_N6144_K3584 tier 64"
+    assert found.source == f"{prefix} (tuned under Triton 3.8; compiled without spills under Triton 9.9)" \
+        or found.source.startswith(f"heuristic ({prefix}, tuned under Triton 3.8: "), found.source
     unknown = tt.lookup(*args, is_cuda=True, table=table, triton="9.9", verify=backend.spill_check("sm_120"))
     assert unknown.source.startswith("heuristic (") and "no compile check for sm_120 under Triton 9.9" in unknown.source
     backend._spills.cache_clear()
     monkeypatch.setattr(aot, "compile_launch", lambda launch, target: (SimpleNamespace(spills=8), None))
     spilled = tt.lookup(*args, is_cuda=True, table=table, triton="9.9", verify=backend.spill_check("sm_90"))
-    assert spilled.source.startswith(f"heuristic ({prefix}, tuned under Triton 3.6: ")
+    assert spilled.source.startswith(f"heuristic ({prefix}, tuned under Triton 3.8: ")
     assert "spills 8 bytes under Triton 9.9" in spilled.source
     assert spilled.config == tt.heuristic_config(3584, 3072, 64, is_cuda=True)
     backend._spills.cache_clear()
