@@ -277,6 +277,31 @@ def check_table(table: dict, what: str) -> None:
             raise ValueError(f"{what}: section {version!r} must be a Triton major.minor holding 'entries'")
 
 
+def merge_into_table(path: Path, version: str, key: str, entry: dict, *, tuned_with: dict,
+                     header: dict) -> None:
+    """The packaged tables' one writer (`kimi-k3-moe tune --packaged`): `entry`'s tiers replace the same
+    tiers of `key` in the section of Triton `version`; that entry's other tiers, the section's other
+    entries and the other sections stay. A tier left out would otherwise be served by its nearest
+    neighbour's config. `header` starts a new file; the result is checked before it replaces the old."""
+    path = Path(path)
+    table = json.loads(path.read_text()) if path.is_file() else {**header, "format_version": TABLE_FORMAT,
+                                                                    "tritons": {}}
+    section = table["tritons"].setdefault(version, {"entries": {}})
+    section["tuned_with"] = tuned_with
+    old = section["entries"].get(key, {}).get("tiers", {})
+    section["entries"][key] = {**entry, "tiers": dict(sorted({**old, **entry["tiers"]}.items(),
+                                                              key=lambda kv: int(kv[0])))}
+    section["tiers"] = sorted({t for e in section["entries"].values() for t in tiers_of(e)})
+    check_table(table, str(path))
+    for e in section["entries"].values():
+        for cfg in e["tiers"].values():
+            MoEConfig.from_json(cfg)  # a bad config fails here, not at a user's lookup
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1, default=str) + "\n")
+    tmp.replace(path)
+    load_table.cache_clear()
+
+
 def _version_tuple(version: str) -> tuple[int, int] | None:
     parts = version.split(".")
     if len(parts) != 2 or not all(p.isdigit() for p in parts):

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--restart", action="store_true", help="ignore the saved progress of an earlier run")
     parser.add_argument("--routing", default="uniform", type=routing_arg,
                         help=f"{ROUTINGS}: the routing every candidate is timed on (in the table's fingerprint)")
+    parser.add_argument("--packaged", metavar="PATH", default=None,
+                        help="triton, for maintainers: also merge the tuned tiers into this packaged table "
+                             "(the running Triton's section; other tiers, entries and sections stay)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
     require_gpu("tuning times kernels on the GPU it tunes for")
     hip = bool(getattr(torch.version, "hip", None))
     backend = args.backend or ("flydsl" if hip else "triton")
+    if args.packaged and backend != "triton":
+        raise ValueError(f"--packaged: only the triton backend ships tables per device, not {backend}")
     identity = user_tables.device_identity()
     seed = random.SystemRandom().randrange(2**31)
     experts = random_layer(shape, seed)
@@ -61,7 +66,22 @@ def run(args: argparse.Namespace) -> int:
     result = run_with_progress(target, activation, GraphTimer(reps=args.reps), args.budget_min * 60, state, seed,
                                routing=args.routing)
     print_summary(result)
+    if args.packaged:
+        merge_packaged(args.packaged, result, identity, activation)
     return 0
+
+
+def merge_packaged(path: str, result: dict, identity: dict, activation) -> None:
+    """The tuned entry, as just written to the user table, into a packaged table's running-Triton section."""
+    from kimi_k3_moe.bench.env import run_info
+    from kimi_k3_moe.configs import triton_table as tt
+    from kimi_k3_moe.configs import user_tables
+    user, _ = user_tables.load(tt.USER_TABLE, identity)
+    entry = user["entries"][result["key"]]
+    tt.merge_into_table(path, identity["triton"], result["key"], entry, tuned_with=run_info(),
+                        header={"device": identity["name"], "device_key": identity["key"],
+                                "activation_tuned": str(activation)})
+    print(f"merged {result['key']} into {path} (Triton {identity['triton']} section)")
 
 
 def random_layer(shape, seed: int):

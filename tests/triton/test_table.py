@@ -316,3 +316,29 @@ def test_a_full_tune_tries_the_many_tile_stage_2_at_4096_plus():
                 assert (ts.kc(t), ts.SPLIT_STAGE2_BLOCK_M) in got, t
                 assert ((ts.kc(t), None) in got) == (bm * 384 * 2 <= ts.TILES_X_BYTES), (bm, t)
     assert {ts.kc(t).order for t in ts.TAIL_S2_TILES} == {KOrder.PAIRS, KOrder.PLAIN_INTER}
+
+
+def test_the_packaged_writer_merges_tiers_into_the_running_tritons_section_only(tmp_path):
+    """`kimi-k3-moe tune --packaged`: tuned tiers replace the same tiers of the entry; its other tiers,
+    other entries and other Tritons' sections stay, so no count falls to a neighbour tier's config."""
+    import json
+    path = tmp_path / "triton_dev.json"
+    key = tt.shape_key("mxfp4", 56, 6144, 3584)
+    cfg = lambda bm: {**tt.heuristic_config(3584, 3072, 64, is_cuda=True).to_json(), "block_m": bm}  # noqa: E731
+    header = {"device": "dev", "device_key": "dev", "activation_tuned": "situv2"}
+    tt.merge_into_table(path, "3.6", key, {"tiers": {"1": cfg(16), "64": cfg(16), "4096": cfg(64)}},
+                        tuned_with={"triton": "3.6.0"}, header=header)
+    tt.merge_into_table(path, "3.8", key, {"tiers": {"1": cfg(16), "64": cfg(16), "4096": cfg(64)}},
+                        tuned_with={"triton": "3.8.0"}, header=header)
+    tt.merge_into_table(path, "3.8", key, {"tiers": {"64": {**cfg(32), "us": 1.0}}},
+                        tuned_with={"triton": "3.8.0", "run": 2}, header=header)
+    table = json.loads(path.read_text())
+    tt.check_table(table, str(path))
+    s38 = table["tritons"]["3.8"]
+    assert list(s38["entries"][key]["tiers"]) == ["1", "64", "4096"] and s38["tiers"] == [1, 64, 4096]
+    assert s38["entries"][key]["tiers"]["64"]["block_m"] == 32 and s38["tuned_with"]["run"] == 2
+    assert table["tritons"]["3.6"]["entries"][key]["tiers"]["64"]["block_m"] == 16
+    bad = {"tiers": {"16": {**cfg(16), "stage1": {**cfg(16)["stage1"], "order": "zigzag"}}}}
+    with pytest.raises(ValueError):
+        tt.merge_into_table(path, "3.8", key, bad, tuned_with={}, header=header)
+    assert json.loads(path.read_text()) == table  # a refused merge leaves the file as it was

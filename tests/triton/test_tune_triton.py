@@ -200,3 +200,14 @@ def test_an_expert_parallel_slice_is_tuned_under_its_own_routing_and_keyed_by_it
     outcomes = list(result["outcomes"]["4"].values())
     assert outcomes and all(o["status"] == TIMED for o in outcomes), outcomes
     assert result["tiers"][4]["tuned"]
+
+    # a maintainer's `tune --packaged PATH`: the same entry lands in that table's running-Triton section
+    import json
+
+    from kimi_k3_moe.tune.command import merge_packaged
+    identity = user_tables.device_identity()
+    merge_packaged(str(tables / "packaged.json"), result, identity, SITU)
+    packaged = json.loads((tables / "packaged.json").read_text())
+    tiers = packaged["tritons"][identity["triton"]]["entries"][result["key"]]["tiers"]
+    assert tt.MoEConfig.from_json(tiers["4"]) == tt.MoEConfig.from_json(
+        user_tables.load(tt.USER_TABLE, identity)[0]["entries"][result["key"]]["tiers"]["4"])
