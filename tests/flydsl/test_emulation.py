@@ -274,9 +274,17 @@ def test_token_chunks_give_the_same_result(gen):
 
 @pytest.mark.parametrize("layout_", ["direct", "aligned"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_expert_ids_out_of_range_contribute_nothing_and_read_nothing(gen, layout_, dtype):
+def test_expert_ids_out_of_range_contribute_nothing_and_read_nothing(gen, layout_, dtype, monkeypatch):
     """Ids E, -1, 10^6 (and 2^32 + 1 as int64) are pairs on no rank: no kernel reads an expert for them
-    (the emulator's buffers refuse any read past W) and the result is the reference without them."""
+    (the emulator's buffers refuse any read past W) and the result is the reference without them. Every
+    float buffer the forward allocates starts as NaN, so a slot row nobody wrote that the top-k sum
+    read would show."""
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", nan_empty)
     prep = prepared_layer(gen, "gfx950")
     tokens = 3 if layout_ == "direct" else T
     x, tw, ids = random_routing(gen, tokens, E, K, H)

@@ -337,8 +337,6 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
     for bid_m in range(num_rows // cfg.BM):
         expert = int(BE[bid_m])
         if not _live(cfg, expert):
-            if cfg.direct and not stage1 and cfg.reduce == "slots":
-                _zero_slot_row(cfg, bid_m, out, sentinel)
             continue
         code_base = L.expert_code_base(expert, R, K)
         group_base = L.expert_group_base(expert, R, K)
@@ -384,24 +382,6 @@ def _row_slot(cfg: KernelConfig, sid: "_Buffer", p: torch.Tensor, sentinel: int)
     if cfg.direct:
         return L.direct_row_slot(p, sentinel)
     return _words(sid.load(L.sid_byte_offset(p), 4))[:, 0]
-
-
-def _zero_slot_row(cfg: KernelConfig, bid_m: int, out: "_Buffer", sentinel: int) -> None:
-    """A skipped direct stage-2 block stores zeros into its pair's output row (every lane as the
-    kernel's, padding rows dropped by the range check)."""
-    g, r = L.lane_split(torch.arange(L.LANES))
-    for bid_n in range(cfg.N // cfg.BN):
-        for wave in range(cfg.waves):
-            p0 = L.tile_origin(bid_m, bid_n, wave, 0, 0, cfg.BM, cfg.BN, cfg.n_rep)[0]
-            for ni in range(cfg.n_rep):
-                n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
-                if cfg.weight_format == INT4:       # one bf16 per element, rows 4g + e, column r
-                    for dm, dn in [L.int4_out_coords(g, r, e) for e in range(4)]:
-                        out.store(L.slot_out_byte_offset(L.direct_row_slot(p0 + dm, sentinel), n0 + dn, cfg.N),
-                                  torch.zeros(L.LANES, 2, dtype=torch.uint8))
-                else:
-                    out.store(L.slot_out_byte_offset(L.direct_row_slot(p0 + r, sentinel), n0 + g * 4, cfg.N),
-                              torch.zeros(L.LANES, 8, dtype=torch.uint8))
 
 
 def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta, sentinel):

@@ -19,6 +19,8 @@ quantizes the hidden rows before stage 1.
 Compiled for gfx942 and gfx950 on a CPU; never run on AMD hardware here.
 """
 
+from typing import Any, NamedTuple
+
 import flydsl.compiler as flyc
 import flydsl.expr as fx
 from flydsl.expr import gpu, range_constexpr, rocdl
@@ -332,28 +334,6 @@ def _epilogue_quantized(cfg, accs, Y, YS, p_rows, num_rows, beta, lin_beta, bid_
             D.store_u8(b, rys, L.qinter_scale_offset(p_rows[mi], n0s[0], N))
 
 
-def _skipped_block(cfg, Y, num_tokens, wave, g, r):
-    """Direct stage 2 with the slots reduction: a pair whose id is out of range (or not on this rank)
-    still owns its output row, which gets zeros, so the top-k sum reads no stale memory. Emits
-    nothing for every other kernel. Lanes store where their epilogue would (padding rows: dropped)."""
-    if not (cfg.direct and cfg.stage == 2 and cfg.reduce == "slots"):
-        return
-    bid_m, bid_n = fx.block_idx.x, fx.block_idx.y
-    N = cfg.N
-    ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * (cfg.top_k * N * 2))
-    p0 = L.tile_origin(bid_m, bid_n, wave, 0, 0, cfg.BM, cfg.BN, cfg.n_rep)[0]
-    sentinel = num_tokens * cfg.top_k
-    for ni in range(cfg.n_rep):
-        n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
-        if cfg.weight_format == INT4:
-            for dm, dn in [L.int4_out_coords(g, r, e) for e in range(4)]:
-                D.store_bf16(fx.Float32(0.0), ry,
-                             L.slot_out_byte_offset(L.direct_row_slot(p0 + dm, sentinel), n0 + dn, N))
-        else:
-            zeros = fx.Vector.filled(4, 0.0, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32)
-            D.store(zeros, ry, L.slot_out_byte_offset(L.direct_row_slot(p0 + r, sentinel), n0 + g * 4, N))
-
-
 def _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta, bid_m, bid_n, wave, g, r):
     """int4 tiles hold OUT[m0 + 4g + e][n0 + r] in register e (layout.int4_out_coords): one bf16
     store per element; stage 2 looks up the slot (and router weight) of each of its 4 rows."""
@@ -429,6 +409,31 @@ def _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_b
 
 
 # ------------------------------------------------------------------------- builder
+class _Operands(NamedTuple):
+    """What one workgroup's K loop and epilogue read, set up once before the loop: buffer resources
+    (weights, scales, offsets, activations and their scales), the staged tile's LDS and plan, each
+    lane's weight and activation rows, the int4 decode constant, the rows' slots, and the wave's K slice."""
+    rw: Any
+    rs: Any
+    ro: Any
+    ra: Any
+    ras: Any
+    lds: Any
+    plan: Any
+    w_rows: Any
+    a_rows: Any
+    high: Any
+    slots: Any
+    p_rows: Any
+    rsid: Any
+    wave_k: Any
+
+    @property
+    def block_loads(self) -> tuple:
+        """`_load_block`'s leading arguments."""
+        return self.rw, self.rs, self.ro, self.ra, self.ras, self.w_rows, self.a_rows
+
+
 def build(cfg: KernelConfig):
     """The @flyc.jit launcher of one configuration.
 
@@ -485,41 +490,38 @@ def build(cfg: KernelConfig):
         lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid, sentinel)
         accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_carried)]
         high = D.int4_word_high() if cfg.weight_format == INT4 else None
-        return (rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid, wave_k), accs
+        return _Operands(rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid, wave_k), accs
 
     tile_len = len(range(0, BM * 16 * U, threads)) if cfg.a_lds else 0
 
     def first_block(ops, it):
-        return L.k_block(fx.Int32(fx.block_idx.z), ops[13], it, 0, cfg.k_waves, iters, U)
+        return L.k_block(fx.Int32(fx.block_idx.z), ops.wave_k, it, 0, cfg.k_waves, iters, U)
 
     def load_iteration(ops, it, g):
         """Every global load of K iteration `it` (its U blocks and its staged tile share), flat."""
-        rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows = ops[:9]
         kb0 = first_block(ops, it)
-        loaded = _load_tile(cfg, ra, plan, kb0)
+        loaded = _load_tile(cfg, ops.ra, ops.plan, kb0)
         for u in range(U):
-            loaded += _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb0 + u, g)
+            loaded += _load_block(cfg, *ops.block_loads, kb0 + u, g)
         return loaded
 
     def compute_iteration(ops, accs, loaded, g, r):
-        lds, plan, high = ops[5], ops[6], ops[9]
-        _store_tile(cfg, lds, plan, loaded[:tile_len])
+        _store_tile(cfg, ops.lds, ops.plan, loaded[:tile_len])
         per_block = (len(loaded) - tile_len) // U
         for u in range(U):
             block = loaded[tile_len + u * per_block:tile_len + (u + 1) * per_block]
-            accs = _compute_block(cfg, accs, block, lds, u, g, r, high)
+            accs = _compute_block(cfg, accs, block, ops.lds, u, g, r, ops.high)
         _end_tile(cfg)
         return accs
 
     def load_and_compute_iteration(ops, accs, it, g, r):
         """Without prefetch: the staged tile first (loaded, stored, barrier), then each block's loads
         right before its MFMAs, so no block's weights stay live across the barrier."""
-        rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high = ops[:10]
         kb0 = first_block(ops, it)
-        _stage_tile(cfg, ra, lds, plan, kb0)
+        _stage_tile(cfg, ops.ra, ops.lds, ops.plan, kb0)
         for u in range(U):
-            block = _load_block(cfg, rw, rs, ro, ra, ras, w_rows, a_rows, kb0 + u, g)
-            accs = _compute_block(cfg, accs, block, lds, u, g, r, high)
+            block = _load_block(cfg, *ops.block_loads, kb0 + u, g)
+            accs = _compute_block(cfg, accs, block, ops.lds, u, g, r, ops.high)
         _end_tile(cfg)
         return accs
 
@@ -547,12 +549,11 @@ def build(cfg: KernelConfig):
     def join(ops, accs, wave, lane):
         if n_carried > n_acc:   # int4 offsets: their accumulators join once
             accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
-        return _reduce_k_waves(cfg, Partials, accs, wave, ops[13], lane)
+        return _reduce_k_waves(cfg, Partials, accs, wave, ops.wave_k, lane)
 
     def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
-        slots, p_rows, rsid = ops[10:13]
-        _finish(cfg, accs, Y, YS, TW, slots, p_rows, num_tokens, num_rows, beta, lin_beta,
-                fx.block_idx.x, fx.block_idx.y, wave, g, lane, rsid)
+        _finish(cfg, accs, Y, YS, TW, ops.slots, ops.p_rows, num_tokens, num_rows, beta, lin_beta,
+                fx.block_idx.x, fx.block_idx.y, wave, g, lane, ops.rsid)
 
     # Two signatures: quantized kernels take the activation scales AS and stage 1's output
     # scales YS. The bf16 kernels keep the shorter one: two more (unused) kernel arguments
@@ -594,8 +595,6 @@ def build(cfg: KernelConfig):
                 accs = join(ops, k_finish(ops, accs, carried, g, r), wave, lane)
                 if _first_k_wave(cfg, wave_k):            # K split over waves: the first one stores
                     epilogue(ops, accs, Y, None, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
-            else:
-                _skipped_block(cfg, Y, num_tokens, wave, g, r)
 
         @flyc.jit
         def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
