@@ -22,8 +22,9 @@ import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import (load_weight_pairs, load_weight_tile, load_weight_words,
-                                                        pair_order, to_pair_order, word_k_offsets)
+from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, load_weight_pairs,
+                                                        load_weight_tile, load_weight_words, pair_order,
+                                                        to_pair_order, word_k_offsets)
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
 from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.pdl import enter
@@ -316,8 +317,7 @@ def stage1_aligned_kernel(
     sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
     num_pairs, num_ids, num_local, inter_size, hidden: tl.constexpr,
     beta, linear_beta,
-    TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
-    DECODE: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
+    TOPK: tl.constexpr, WEIGHTS: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     OUT_BLOCK_K: tl.constexpr, OUT_ORDER: tl.constexpr, DIRECT: tl.constexpr,
     HAS_MAP: tl.constexpr, PDL: tl.constexpr,
@@ -330,8 +330,11 @@ def stage1_aligned_kernel(
     order of BLOCK_K tiles and eight dots per step. inter goes out as stage 2 reads it
     (korder.stage1_args): OUT_ORDER ORDER_PAIRS in pair order, ORDER_WORDS in word order of
     OUT_BLOCK_K tiles (what stage 2's word dots read), ORDER_INTERLEAVE plain. Padded rows are
-    not stored. DIRECT: _row_block. PDL: _details/pdl.py."""
+    not stored. WEIGHTS: _details/constants.py. DIRECT: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
+    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
+    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
+    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
     live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
                                                          num_pairs, num_ids, num_local, DIRECT, HAS_MAP,
@@ -454,8 +457,7 @@ def stage2_aligned_kernel(
     topk_w_ptr,
     sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
     num_pairs, num_ids, num_local, hidden, inter_size: tl.constexpr,
-    FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
-    ORDER: tl.constexpr,
+    WEIGHTS: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_TILES: tl.constexpr, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr,
     PDL: tl.constexpr,
@@ -469,9 +471,12 @@ def stage2_aligned_kernel(
     ORDER as stage 1's (words, interleave, pairs: one dot per K step on inter in pair order), or
     ORDER_PLAIN_INTER (N_TILES > 1): pair order with inter read in plain order and swapped into pair
     order in registers as it is loaded. Padded rows (never stored by stage 1) are not loaded.
-    DIRECT: _row_block. PDL: _details/pdl.py."""
+    WEIGHTS: _details/constants.py. DIRECT: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
     tl.static_assert(ORDER != ORDER_STACKED, "stacked is stage 1's")
+    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
+    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
+    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
     live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
                                                          num_pairs, num_ids, num_local, DIRECT, HAS_MAP,
