@@ -1,13 +1,18 @@
-"""The stage kernels' WEIGHTS (weight_codes.py), as the launches carry it."""
+"""The stage kernels' combined constexprs: WEIGHTS (weight_codes.py), stage 1's OUT_ORDER (korder.py),
+PATH and BLOCK_ROWS (stage1.row_tile_args), as the launches carry them."""
+import inspect
 from itertools import product
 
 import pytest
+import triton.language as tl
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.configs import triton_table as tt
 from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.experts import INT4, MXFP4
 from kimi_k3_moe.kernels.triton._details import constants as C
+from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel, stage2_gemv_kernel
+from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel, stage2_aligned_kernel
 from kimi_k3_moe.kernels.triton.aot import meta_experts, plan_for_shape
 from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code, weights_of
 
@@ -61,3 +66,25 @@ def test_every_stage_launch_carries_the_weights_code(cfg, fmt, offsets, wide):
     for a in args.values():
         assert weights_of(a["WEIGHTS"]) == (fmt, decode_code(cfg.decode, wide), offsets)
         assert not {"FMT", "DECODE", "HAS_OFFSETS"} & set(a)
+
+
+def test_row_blocks_and_inter_order_are_one_constexpr_each():
+    """BLOCK_ROWS is the config's block_m (the kernels split off the tail tile); PATH says whether a
+    block is one pair and its expert is read through the map; OUT_ORDER names pair or plain order by
+    its code and the word order by its block_k."""
+    aligned = _stage_args(ALIGNED, expert_map=True)
+    assert aligned["stage1.aligned"]["BLOCK_ROWS"] == 96 and aligned["stage1.aligned"]["PATH"] == C.PATH_ALIGNED
+    assert aligned["stage1.aligned"]["OUT_ORDER"] == 128  # stage 2 reads words of 128-wide tiles
+    assert _stage_args(DIRECT)["stage1.aligned"]["PATH"] == C.PATH_DIRECT
+    direct = _stage_args(DIRECT, expert_map=True)
+    assert {a["PATH"] for a in direct.values()} == {C.PATH_DIRECT_MAP}
+    assert direct["stage1.aligned"]["OUT_ORDER"] == C.ORDER_PAIRS
+    plain = MoEConfig("direct", 16, DIRECT.stage1, KernelConfig(64, 64, order=KOrder.INTERLEAVE), "bits")
+    assert _stage_args(plain)["stage1.aligned"]["OUT_ORDER"] == C.ORDER_INTERLEAVE
+
+
+@pytest.mark.parametrize("kernel", [stage1_aligned_kernel, stage2_aligned_kernel, stage1_gemv_kernel,
+                                    stage2_gemv_kernel])
+def test_stage_kernels_take_at_most_twelve_constexprs(kernel):
+    params = inspect.signature(kernel.fn).parameters.values()  # the interpreter's wrapper has no .params
+    assert sum(p.annotation is tl.constexpr for p in params) <= 12

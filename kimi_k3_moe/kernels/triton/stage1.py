@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec, UnsupportedActivationError
-from kimi_k3_moe.configs.triton_table import KernelConfig, row_tiles
+from kimi_k3_moe.configs.triton_table import KernelConfig
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
@@ -34,11 +34,15 @@ def activation_args(activation: ActivationSpec) -> dict:
 
 
 def row_tile_args(pairs: AlignedPairs) -> dict:
-    """The aligned kernels' row-block arguments: BLOCK_M main rows and TAIL_M tail rows, and whether
-    each block is one pair whose expert the kernel looks up itself (DIRECT, expert map applied)."""
-    main, tail = row_tiles(pairs.block_m)
+    """The aligned kernels' row-block arguments: BLOCK_ROWS rows per block (the kernels split them as
+    row_tiles does: a main and a tail tile), and PATH: whether each block is one pair whose expert the
+    kernel looks up itself (PATH_DIRECT, PATH_DIRECT_MAP through the expert map)."""
     emap = pairs.expert_map
-    return dict(BLOCK_M=main, TAIL_M=tail, DIRECT=pairs.direct, HAS_MAP=emap is not None,
+    if not pairs.direct:
+        path = C.PATH_ALIGNED
+    else:
+        path = C.PATH_DIRECT if emap is None else C.PATH_DIRECT_MAP
+    return dict(BLOCK_ROWS=pairs.block_m, PATH=path,
                 map_ptr=pairs.block_expert if emap is None else emap,
                 num_ids=pairs.num_ids, num_local=pairs.num_experts)
 
