@@ -214,7 +214,7 @@ def test_wide_scales_is_read_once_from_the_scales_at_prepare(gen):
     """The one-multiply decoder serves a layer only when every e8m0 byte is <= MXFP4_FOLD_MAX_SCALE;
     one byte above sends the whole layer to DECODE_PTX_WIDE; int4 and shape-only experts never."""
     from kimi_k3_moe.kernels.triton.aot import meta_experts
-    from kimi_k3_moe.kernels.triton.stage1 import decode_code
+    from kimi_k3_moe.kernels.triton.weight_codes import decode_code
     w13, w2 = torch.randn(2, 64, 96, generator=gen), torch.randn(2, 96, 32, generator=gen)
     experts = Mxfp4Experts(*mxfp4.quantize(w13), *mxfp4.quantize(w2))
     assert int(experts.w13_scale.max()) <= C.MXFP4_FOLD_MAX_SCALE

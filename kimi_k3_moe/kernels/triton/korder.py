@@ -21,10 +21,15 @@ def stored_order(cfg: KernelConfig) -> KOrder:
 
 
 def stage1_args(cfg: KernelConfig, stage2: KernelConfig) -> dict:
-    """The stage-1 kernel's ORDER, and OUT_ORDER / OUT_BLOCK_K: inter stored as stage 2 reads it."""
+    """The stage-1 kernel's ORDER, and OUT_ORDER: inter stored as stage 2 reads it, in pair order
+    (ORDER_PAIRS), plain (ORDER_INTERLEAVE), or in word order, which is given by the block_k of its
+    tiles (one constexpr for both; words takes block_k >= 128, so it is never one of the codes)."""
     out = stored_order(stage2)
-    return dict(ORDER=CODES[cfg.order], OUT_ORDER=CODES[out],
-                OUT_BLOCK_K=stage2.block_k if out == KOrder.WORDS else 0)
+    if out != KOrder.WORDS:
+        return dict(ORDER=CODES[cfg.order], OUT_ORDER=CODES[out])
+    if stage2.block_k in CODES.values():
+        raise ValueError(f"stage2.block_k = {stage2.block_k}: order 'words' needs block_k >= 128")
+    return dict(ORDER=CODES[cfg.order], OUT_ORDER=stage2.block_k)
 
 
 def stage2_args(cfg: KernelConfig) -> dict:

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton import layout
 from kimi_k3_moe.kernels.triton.launch import cdiv
-from kimi_k3_moe.kernels.triton.stage1 import decode_code
+from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code
 from kimi_k3_moe.experts import MXFP4
 
 
@@ -26,6 +25,6 @@ def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
     out = torch.empty(rows, k, dtype=torch.float32, device=words.device)
     decode_probe_kernel[(cdiv(rows, block_n),)](
         words.contiguous(), scales.contiguous(), (scales if offsets is None else offsets).contiguous(), out,
-        rows, k, FMT=C.FMT_MXFP4 if fmt == MXFP4 else C.FMT_INT4, HAS_OFFSETS=offsets is not None,
-        DECODE=decode_code(decode, wide_scales), BLOCK_N=block_n, BLOCK_K=block_k, PAIRS=pairs)
+        rows, k, WEIGHTS=weights_code(fmt, decode_code(decode, wide_scales), offsets is not None),
+        BLOCK_N=block_n, BLOCK_K=block_k, PAIRS=pairs)
     return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec, UnsupportedActivationError
-from kimi_k3_moe.configs.triton_table import KernelConfig, row_tiles
+from kimi_k3_moe.configs.triton_table import KernelConfig
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
@@ -16,17 +16,8 @@ from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_pairs_ke
 from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.korder import stage1_args
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
-from kimi_k3_moe.experts import MXFP4
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-
-DECODE_CODES = {"bits": C.DECODE_BITS, "ptx": C.DECODE_PTX}
-
-
-def decode_code(decode: str, wide_scales: bool) -> int:
-    """The kernels' DECODE for a config's decoder name: "ptx" on MXFP4 weights with a scale above 2
-    needs the two-multiply variant (TritonExperts.wide_scales)."""
-    code = DECODE_CODES[decode]
-    return C.DECODE_PTX_WIDE if code == C.DECODE_PTX and wide_scales else code
+from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code
 
 
 def activation_args(activation: ActivationSpec) -> dict:
@@ -43,26 +34,29 @@ def activation_args(activation: ActivationSpec) -> dict:
 
 
 def row_tile_args(pairs: AlignedPairs) -> dict:
-    """The aligned kernels' row-block arguments: BLOCK_M main rows and TAIL_M tail rows, and whether
-    each block is one pair whose expert the kernel looks up itself (DIRECT, expert map applied)."""
-    main, tail = row_tiles(pairs.block_m)
+    """The aligned kernels' row-block arguments: BLOCK_ROWS rows per block (the kernels split them as
+    row_tiles does: a main and a tail tile), and PATH: whether each block is one pair whose expert the
+    kernel looks up itself (PATH_DIRECT, PATH_DIRECT_MAP through the expert map)."""
     emap = pairs.expert_map
-    return dict(BLOCK_M=main, TAIL_M=tail, DIRECT=pairs.direct, HAS_MAP=emap is not None,
+    if not pairs.direct:
+        path = C.PATH_ALIGNED
+    else:
+        path = C.PATH_DIRECT if emap is None else C.PATH_DIRECT_MAP
+    return dict(BLOCK_ROWS=pairs.block_m, PATH=path,
                 map_ptr=pairs.block_expert if emap is None else emap,
                 num_ids=pairs.num_ids, num_local=pairs.num_experts)
 
 
 def weight_args(experts: TritonExperts, which: str, decode: str) -> dict:
-    """A stage's weight pointers, strides and the constexprs that follow from the weights (format,
-    offsets, and the decoder `decode` ("ptx" | "bits") resolves to for them)."""
+    """A stage's weight pointers, strides and WEIGHTS: the code of their format, offsets, and the
+    decoder `decode` ("ptx" | "bits") resolves to for them."""
     w = getattr(experts, which)
     s = getattr(experts, f"{which}_scale")
     o = getattr(experts, f"{which}_offset")
     return dict(w_ptr=w, stride_we=w.stride(0), stride_wn=w.stride(1),
                 s_ptr=s, stride_se=s.stride(0), stride_sn=s.stride(1),
                 o_ptr=s if o is None else o,
-                FMT=C.FMT_MXFP4 if experts.fmt == MXFP4 else C.FMT_INT4,
-                HAS_OFFSETS=o is not None, DECODE=decode_code(decode, experts.wide_scales))
+                WEIGHTS=weights_code(experts.fmt, decode_code(decode, experts.wide_scales), o is not None))
 
 
 def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch]:

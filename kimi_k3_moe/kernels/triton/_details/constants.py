@@ -7,6 +7,31 @@ DECODE_BITS = 0  # portable Triton integer/float ops, one element at a time
 DECODE_PTX = 1   # inline PTX producing bf16 pairs (NVIDIA sm_80+); MXFP4: one multiply, scales <= 2
 DECODE_PTX_WIDE = 2  # the same for MXFP4 weights with a scale above 2: two multiplies
 
+# The stage kernels' WEIGHTS: format, decoder and int4 offsets as one code, one per combination the
+# backend can launch (kernels/triton/weight_codes.py maps to it). Each code's (FMT, DECODE, HAS_OFFSETS)
+# is WEIGHTS[code]: what the decode helpers (decode.py) take apart.
+W_MXFP4_BITS = 0
+W_MXFP4_PTX = 1
+W_MXFP4_PTX_WIDE = 2
+W_INT4_BITS = 3
+W_INT4_PTX = 4
+W_INT4_OFFSETS_BITS = 5
+W_INT4_OFFSETS_PTX = 6
+WEIGHTS = (
+    (FMT_MXFP4, DECODE_BITS, False),
+    (FMT_MXFP4, DECODE_PTX, False),
+    (FMT_MXFP4, DECODE_PTX_WIDE, False),
+    (FMT_INT4, DECODE_BITS, False),
+    (FMT_INT4, DECODE_PTX, False),
+    (FMT_INT4, DECODE_BITS, True),
+    (FMT_INT4, DECODE_PTX, True),
+)
+
+# The aligned kernels' PATH: where a row block's pairs and expert come from (stage1.row_tile_args)
+PATH_ALIGNED = 0     # the alignment's sorted pairs and block experts (any expert map already applied)
+PATH_DIRECT = 1      # path "direct": block b is pair b alone, its expert read from topk_ids
+PATH_DIRECT_MAP = 2  # the same, the id taken through the expert map
+
 # configs/triton_table.KOrder as the aligned kernels' ORDER and OUT_ORDER (kernels/triton/korder.py)
 ORDER_WORDS = 0
 ORDER_INTERLEAVE = 1

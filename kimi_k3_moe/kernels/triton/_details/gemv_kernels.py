@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import decode_weight_raw, load_weight_raw
+from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, decode_weight_raw,
+                                                        load_weight_raw)
 from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 from kimi_k3_moe.kernels.triton._details.pdl import let_next_start, wait_for_previous
@@ -70,16 +71,18 @@ def stage1_gemv_kernel(
     ids_ptr, map_ptr,
     inter_size, hidden: tl.constexpr,
     beta, linear_beta, num_ids, num_local,
-    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    ACT: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    OUT_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHTS: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """inter[pair, n] = act(gate . x, up . x) for one (token, slot) pair and BLOCK_N columns.
 
     x is in word order of BLOCK_K tiles; inter is written in word order of OUT_BLOCK_K
-    tiles (stage 2's), or in plain order when OUT_BLOCK_K is 0. PDL: see _details/pdl.py; the
-    first weights are requested before the wait (_fma_k_loop)."""
+    tiles (stage 2's), or in plain order when OUT_BLOCK_K is 0. WEIGHTS: _details/constants.py. PDL:
+    see _details/pdl.py; the first weights are requested before the wait (_fma_k_loop)."""
     let_next_start(PDL)
+    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
+    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
+    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = local_expert(tl.load(ids_ptr + pair), map_ptr, num_ids, num_local, HAS_MAP)
@@ -118,18 +121,21 @@ def stage2_gemv_kernel(
     out_ptr, stride_om,
     ids_ptr, map_ptr, topk_w_ptr,
     hidden, inter_size: tl.constexpr, num_ids, num_local,
-    TOPK: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, FMT: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    TOPK: tl.constexpr, SLOTS: tl.constexpr, HAS_MAP: tl.constexpr, WEIGHTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n] = sum over slots of router_weight * (W2_e[n] . inter[pair]), fp32, fixed order.
 
     inter is in word order of BLOCK_K tiles. Without an expert map one tile holds every slot of the
     token (rows = SLOTS x BLOCK_N, SLOTS = TOPK rounded up to a power of two), so all of the token's
     experts stream at once; with one (HAS_MAP), the local slots are taken one at a time.
-    PDL: see _details/pdl.py; the first weights are requested before the wait (_fma_k_loop).
+    WEIGHTS: _details/constants.py. PDL: see _details/pdl.py; the first weights are requested before
+    the wait (_fma_k_loop).
     """
     let_next_start(PDL)
+    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
+    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
+    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if HAS_MAP:

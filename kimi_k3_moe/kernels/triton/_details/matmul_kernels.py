@@ -11,8 +11,10 @@ needs the host to read a count and CUDA-graph capture works.
 SWAP computes W @ X^T instead of X @ W^T: with few tokens per block the weight
 tile is the larger operand and fills the MMA's M dimension.
 
-A row block is BLOCK_M + TAIL_M rows: a power-of-two main tile and, when TAIL_M > 0, a
-smaller power-of-two tail tile that takes a second dot on the same decoded weight tile.
+A row block is BLOCK_ROWS rows: a power-of-two main tile of BLOCK_M rows and, when TAIL_M > 0, a
+smaller power-of-two tail tile that takes a second dot on the same decoded weight tile. The kernels
+split BLOCK_ROWS as configs/triton_table.row_tiles does (its BLOCK_MS have one or two bits set: the
+tail is the lower one), so the config's block_m is one constexpr.
 Tiles must be powers of two, but an expert's rows need not be: at 4096 tokens TP8 an expert
 holds ~73 rows, which a 64 + 32 block covers in one decode with 24 % padding where one
 128-row tile pads 43 % and two 64-row tiles decode its weights twice.
@@ -22,8 +24,9 @@ import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import (load_weight_pairs, load_weight_tile, load_weight_words,
-                                                        pair_order, to_pair_order, word_k_offsets)
+from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, load_weight_pairs,
+                                                        load_weight_tile, load_weight_words, pair_order,
+                                                        to_pair_order, word_k_offsets)
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
 from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.pdl import enter
@@ -36,6 +39,8 @@ ORDER_INTERLEAVE = tl.constexpr(C.ORDER_INTERLEAVE)
 ORDER_PAIRS = tl.constexpr(C.ORDER_PAIRS)
 ORDER_STACKED = tl.constexpr(C.ORDER_STACKED)
 ORDER_PLAIN_INTER = tl.constexpr(C.ORDER_PLAIN_INTER)
+PATH_ALIGNED = tl.constexpr(C.PATH_ALIGNED)
+PATH_DIRECT_MAP = tl.constexpr(C.PATH_DIRECT_MAP)
 
 
 @triton.jit
@@ -266,14 +271,14 @@ def _local_expert(ids_ptr, map_ptr, i, num_ids, num_local, HAS_MAP: tl.constexpr
 
 @triton.jit
 def _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr, num_pairs, num_ids, num_local,
-               DIRECT: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
+               PATH: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
     """Row block pid_m: (whether it holds rows, its expert (int64), the main tile's pairs and real-row
-    mask, the tail tile's (the main ones when TAIL_M is 0)). DIRECT: block pid_m is pair pid_m (path
-    "direct"), its expert read from topk_ids (block_expert_ptr) through the expert map; it holds rows
-    when that expert is on this rank."""
-    if DIRECT:
+    mask, the tail tile's (the main ones when TAIL_M is 0)). PATH_DIRECT: block pid_m is pair pid_m (path
+    "direct"), its expert read from topk_ids (block_expert_ptr), through the expert map with
+    PATH_DIRECT_MAP; it holds rows when that expert is on this rank."""
+    if PATH != PATH_ALIGNED:
         tl.static_assert(TAIL_M == 0, "a direct block is one pair")
-        e = _local_expert(block_expert_ptr, map_ptr, pid_m, num_ids, num_local, HAS_MAP)
+        e = _local_expert(block_expert_ptr, map_ptr, pid_m, num_ids, num_local, PATH == PATH_DIRECT_MAP)
         live = e >= 0
         pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
         pair_t, row_ok_t = pair, row_ok
@@ -316,11 +321,9 @@ def stage1_aligned_kernel(
     sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
     num_pairs, num_ids, num_local, inter_size, hidden: tl.constexpr,
     beta, linear_beta,
-    TOPK: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, ACT: tl.constexpr,
-    DECODE: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
-    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    OUT_BLOCK_K: tl.constexpr, OUT_ORDER: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_MAP: tl.constexpr, PDL: tl.constexpr,
+    TOPK: tl.constexpr, WEIGHTS: tl.constexpr, ACT: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, OUT_ORDER: tl.constexpr,
+    PATH: tl.constexpr, PDL: tl.constexpr,
 ):
     """inter[pair, n] = act(x[tok] . W13_e[gate n], x[tok] . W13_e[up n]) for one block of rows.
 
@@ -328,14 +331,18 @@ def stage1_aligned_kernel(
     in pair order; ORDER_STACKED: the same on one stacked gate/up tile (_gate_up_stacked);
     ORDER_INTERLEAVE: x in plain order, weights regrouped in registers; ORDER_WORDS: x in word
     order of BLOCK_K tiles and eight dots per step. inter goes out as stage 2 reads it
-    (korder.stage1_args): OUT_ORDER ORDER_PAIRS in pair order, ORDER_WORDS in word order of
-    OUT_BLOCK_K tiles (what stage 2's word dots read), ORDER_INTERLEAVE plain. Padded rows are
-    not stored. DIRECT: _row_block. PDL: _details/pdl.py."""
+    (korder.stage1_args): OUT_ORDER ORDER_PAIRS in pair order, ORDER_INTERLEAVE plain, else in word
+    order of OUT_ORDER-wide tiles (what stage 2's word dots read). Padded rows are not stored.
+    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
+    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
+    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
+    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
+    TAIL_M: tl.constexpr = BLOCK_ROWS & -BLOCK_ROWS if BLOCK_ROWS & (BLOCK_ROWS - 1) else 0  # module docstring
+    BLOCK_M: tl.constexpr = BLOCK_ROWS - TAIL_M
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
     live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
-                                                         num_pairs, num_ids, num_local, DIRECT, HAS_MAP,
-                                                         BLOCK_M, TAIL_M)
+                                                         num_pairs, num_ids, num_local, PATH, BLOCK_M, TAIL_M)
     if not live:
         return
     x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
@@ -376,10 +383,10 @@ def stage1_aligned_kernel(
             dest = offs_n
         else:
             dest = pair_order(offs_n)
-    elif OUT_ORDER == ORDER_WORDS:
-        dest = word_position(offs_n, OUT_BLOCK_K)
-    else:
+    elif OUT_ORDER == ORDER_INTERLEAVE:
         dest = offs_n
+    else:
+        dest = word_position(offs_n, OUT_ORDER)
     _store_inter(acc_g, acc_u, beta, linear_beta, ACT, inter_ptr, stride_im, pair, row_ok, offs_n, dest, inter_size,
                  SWAP_OUT)
     if TAIL_M > 0:
@@ -454,11 +461,9 @@ def stage2_aligned_kernel(
     topk_w_ptr,
     sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
     num_pairs, num_ids, num_local, hidden, inter_size: tl.constexpr,
-    FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr,
-    ORDER: tl.constexpr,
-    BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    N_TILES: tl.constexpr, DIRECT: tl.constexpr, HAS_MAP: tl.constexpr,
-    PDL: tl.constexpr,
+    WEIGHTS: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_TILES: tl.constexpr,
+    PATH: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[pair, n] = router_weight[pair] * (inter[pair] . W2_e[n]), stored per (token, slot) pair.
 
@@ -469,13 +474,17 @@ def stage2_aligned_kernel(
     ORDER as stage 1's (words, interleave, pairs: one dot per K step on inter in pair order), or
     ORDER_PLAIN_INTER (N_TILES > 1): pair order with inter read in plain order and swapped into pair
     order in registers as it is loaded. Padded rows (never stored by stage 1) are not loaded.
-    DIRECT: _row_block. PDL: _details/pdl.py."""
+    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
     tl.static_assert(ORDER != ORDER_STACKED, "stacked is stage 1's")
+    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
+    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
+    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
+    TAIL_M: tl.constexpr = BLOCK_ROWS & -BLOCK_ROWS if BLOCK_ROWS & (BLOCK_ROWS - 1) else 0  # module docstring
+    BLOCK_M: tl.constexpr = BLOCK_ROWS - TAIL_M
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
     live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
-                                                         num_pairs, num_ids, num_local, DIRECT, HAS_MAP,
-                                                         BLOCK_M, TAIL_M)
+                                                         num_pairs, num_ids, num_local, PATH, BLOCK_M, TAIL_M)
     if not live:
         return
     ka = word_k_offsets(BLOCK_K)

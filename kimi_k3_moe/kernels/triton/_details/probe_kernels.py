@@ -2,16 +2,19 @@
 import triton
 import triton.language as tl
 
-from kimi_k3_moe.kernels.triton._details.decode import load_weight_pairs, load_weight_tile, pair_order, word_k_offsets
+from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, load_weight_pairs,
+                                                        load_weight_tile, pair_order, word_k_offsets)
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 
 
 @triton.jit
 def decode_probe_kernel(w_ptr, s_ptr, o_ptr, out_ptr, rows, K,
-                        FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr):
+                        WEIGHTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PAIRS: tl.constexpr):
     """out[r, k] = decoded weight (bf16 -> fp32) of rows [pid*BLOCK_N, ...) of a [rows, K] matrix,
-    through the pair-order tile (PAIRS) or the two regrouped halves."""
+    through the pair-order tile (PAIRS) or the two regrouped halves. WEIGHTS: _details/constants.py."""
+    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
+    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
+    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (n < rows)[:, None]
     w_rows = w_ptr + n[:, None].to(tl.int64) * (K // 2)
