@@ -72,7 +72,7 @@ def env_info() -> dict:
 class Recipe:
     """Enough to rebuild a launch plan in another process (with empty tensors) and compile it."""
 
-    fmt: str
+    weight_format: str
     num_experts: int
     hidden: int
     inter: int
@@ -90,16 +90,16 @@ def _build_plan(recipe: Recipe, device="cuda"):
     from kimi_k3_moe.kernels.triton.layout import TritonExperts
     from kimi_k3_moe.kernels.triton.moe import plan_moe
     e, h, i = recipe.num_experts, recipe.hidden, recipe.inter
-    sdt = torch.uint8 if recipe.fmt == "mxfp4" else torch.bfloat16
+    sdt = torch.uint8 if recipe.weight_format == "mxfp4" else torch.bfloat16
 
     def side(n, k):
         return (torch.empty(e, n, k // 2, dtype=torch.uint8, device=device),
                 torch.empty(e, n, k // 32, dtype=sdt, device=device))
     w13, s13 = side(2 * i, h)
     w2, s2 = side(h, i)
-    off = recipe.offsets and recipe.fmt == "int4"
+    off = recipe.offsets and recipe.weight_format == "int4"
     # the scales are not read (empty memory): compile what weights with scales up to 2 run
-    experts = TritonExperts(recipe.fmt, w13, s13, w2, s2, torch.empty_like(s13) if off else None,
+    experts = TritonExperts(recipe.weight_format, w13, s13, w2, s2, torch.empty_like(s13) if off else None,
                             torch.empty_like(s2) if off else None, wide_scales=False)
     t = recipe.num_tokens
     hidden = torch.empty(t, h, dtype=torch.bfloat16, device=device)

@@ -47,17 +47,17 @@ def run_cases(dev: str, gen: torch.Generator, e: int, h: int, i: int, topk: int,
     forms = {"mxfp4": experts, "int4": requantize_experts(experts, progress=False)}
     held = max(1, e // 8)  # with a map: this rank holds [0, E/8) of E global ids, as at EP8
     failed = 0
-    for fmt, weights_in in forms.items():
+    for weight_format, weights_in in forms.items():
         for t in tokens:
             for label, config in paths(h, i, t, dev == "cuda"):
-                backend = get_backend("triton", weight_format=fmt, config=config)
+                backend = get_backend("triton", weight_format=weight_format, config=config)
                 for with_map in (False, True):
                     prepared = backend.prepare(weights_in.select(list(range(held))) if with_map else weights_in)
                     emap = expert_map_for(e, held, dev) if with_map else None
                     for kind, value, dtype in bad_kinds(e):
                         ok, detail = _one_case(backend, prepared, emap, gen, dev, t, e, h, topk, value, dtype)
                         failed += not ok
-                        say(f"sanitize {fmt:5} {label:7} tokens={t:<4} map={'EP8' if with_map else 'none':4} "
+                        say(f"sanitize {weight_format:5} {label:7} tokens={t:<4} map={'EP8' if with_map else 'none':4} "
                             f"bad={kind:13} {'PASS' if ok else 'FAIL'} {detail}")
     return failed
 

@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--out", default="results/bench_moe.json")
     args = ap.parse_args()
-    ours = [f"triton:{fmt}" for fmt in args.formats.split(",") if fmt]
+    ours = [f"triton:{weight_format}" for weight_format in args.formats.split(",") if weight_format]
     return cli_main(["bench", "--shape", args.shape, "--tokens", args.tokens, "--ours", ",".join(ours),
                      "--peers", args.peers.replace("torch_grouped_mm", "torch"), "--peer-path", args.peer_path,
                      "--reps", str(args.reps), "--json", args.out])

@@ -172,8 +172,8 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
     log("prepared", {k: f"{v.nbytes / 1e9:.2f} GB" for k, v in prepared.items()})
 
     # Decoders alone: every element of a few rows, bit for bit.
-    for fmt, p in prepared.items():
-        real_fmt = "mxfp4" if fmt.startswith("mxfp4") else "int4"
+    for weight_format, p in prepared.items():
+        real_fmt = "mxfp4" if weight_format.startswith("mxfp4") else "int4"
         for decode in (("ptx", "bits") if dev == "cuda" else ("bits",)):
             for ex in (0, e // 2 + 1):
                 rows = slice(0, min(256, p.w13.shape[1]))
@@ -185,7 +185,7 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
                 # FMA), the portable one rounds it to fp32, then to bf16 (the same unless offsets)
                 want_bf16 = (round_once(exact) if decode == "ptx" else exact.float().bfloat16()).float()
                 bad = int((got != want_bf16).sum())
-                chk.record(bad == 0, check="decode", fmt=fmt, decode=decode, expert=ex, mismatches=bad,
+                chk.record(bad == 0, check="decode", weight_format=weight_format, decode=decode, expert=ex, mismatches=bad,
                            max_abs=float((got.double() - exact).abs().max()))
 
     caches = {"mxfp4": dequantized_cache(backends["mxfp4"], prepared["mxfp4"], torch.bfloat16),
@@ -213,12 +213,12 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
     # Compile everything first, in parallel worker processes.
     recipes = []
     for t in tokens:
-        for fmt in ("mxfp4", "int4"):
+        for weight_format in ("mxfp4", "int4"):
             for label, opts in variants(t):
-                be = get_backend("triton", weight_format=fmt, **opts)
-                cfg = be.lookup(prepared[fmt], t).config
+                be = get_backend("triton", weight_format=weight_format, **opts)
+                cfg = be.lookup(prepared[weight_format], t).config
                 for act in (SILU, SITU):
-                    recipes.append(Recipe(fmt, e, h, i, t, topk, (act.name, act.beta, act.linear_beta),
+                    recipes.append(Recipe(weight_format, e, h, i, t, topk, (act.name, act.beta, act.linear_beta),
                                           json_dumps(cfg.to_json())))
     recipes.append(Recipe("int4", e, h, i, 64, topk, ("situv2", 4.0, 25.0),
                           json_dumps(get_backend("triton", weight_format="int4").lookup(prepared["int4"], 64)
@@ -232,33 +232,33 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
     for t in tokens:
         hidden = random_hidden(t, h, dev, gen)
         weights, ids = random_routing(t, e, topk, dev, gen)
-        for fmt in ("mxfp4", "int4"):
+        for weight_format in ("mxfp4", "int4"):
             outs = {}
             for act in (SILU, SITU):
-                ref = reference(caches[fmt], hidden, weights, ids, act)
+                ref = reference(caches[weight_format], hidden, weights, ids, act)
                 for label, opts in variants(t):
-                    be = get_backend("triton", weight_format=fmt, **opts)
-                    source = be.lookup(prepared[fmt], t).source
+                    be = get_backend("triton", weight_format=weight_format, **opts)
+                    source = be.lookup(prepared[weight_format], t).source
                     try:
-                        out = run_once(be, prepared[fmt], hidden, weights, ids, act)
+                        out = run_once(be, prepared[weight_format], hidden, weights, ids, act)
                         err = relative_l2(out.float(), ref)
                         finite = bool(torch.isfinite(out).all())
-                        chk.record(finite and err <= TOLERANCE, check="moe", tokens=t, fmt=fmt, act=act.name,
+                        chk.record(finite and err <= TOLERANCE, check="moe", tokens=t, weight_format=weight_format, act=act.name,
                                    variant=label, rel_l2=err, finite=finite, config=source)
                         outs[(act.name, label)] = out
                         if label == "default":
-                            again = run_once(be, prepared[fmt], hidden, weights, ids, act)
-                            chk.record(torch.equal(again, out), check="repeatable", tokens=t, fmt=fmt,
+                            again = run_once(be, prepared[weight_format], hidden, weights, ids, act)
+                            chk.record(torch.equal(again, out), check="repeatable", tokens=t, weight_format=weight_format,
                                        act=act.name)
                     except Exception as exc:
-                        chk.record(False, check="moe", tokens=t, fmt=fmt, act=act.name, variant=label,
+                        chk.record(False, check="moe", tokens=t, weight_format=weight_format, act=act.name, variant=label,
                                    error=f"{type(exc).__name__}: {exc}"[:300])
                         traceback.print_exc()
             for label, _ in variants(t):
                 a, b = outs.get(("silu", label)), outs.get(("situv2", label))
                 if a is not None and b is not None:
                     diff = relative_l2(a.float(), b.float())
-                    chk.record(diff > MIN_ACT_DIFFERENCE, check="silu!=situ", tokens=t, fmt=fmt, variant=label,
+                    chk.record(diff > MIN_ACT_DIFFERENCE, check="silu!=situ", tokens=t, weight_format=weight_format, variant=label,
                                rel_diff=diff)
 
     # Expert parallelism: odd experts live on another rank (3 tokens: the table's small-batch path;

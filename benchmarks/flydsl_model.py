@@ -71,8 +71,8 @@ def expected_blocks(tokens: int, bm: int) -> float:
     return E * total
 
 
-def weight_bytes(fmt: str, rows: int, cols: int) -> float:
-    return rows * cols * (0.5 + SCALE_BYTES[fmt] / 32)
+def weight_bytes(weight_format: str, rows: int, cols: int) -> float:
+    return rows * cols * (0.5 + SCALE_BYTES[weight_format] / 32)
 
 
 # ------------------------------------------------------------------ what each side launches
@@ -138,7 +138,7 @@ def int4_tiles(cfg) -> int:
 
 def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto") -> list[Launch]:
     s1, s2 = our_configs(arch, tokens, reduce)
-    fmt = FORMAT[arch]
+    weight_format = FORMAT[arch]
     if s1.direct:   # one block per (token, slot) pair, each reading its expert's weights
         blocks = d = tokens * TOP_K
     else:
@@ -147,12 +147,12 @@ def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto") ->
     k1, k2 = kernels[s1.name], kernels[s2.name]
     return [
         Launch("stage 1", k1, math.ceil(blocks * (I // s1.BN)),
-               d * weight_bytes(fmt, 2 * I, H) + tokens * H * 2 + rows * I * 2 + rows * 4,
+               d * weight_bytes(weight_format, 2 * I, H) + tokens * H * 2 + rows * I * 2 + rows * 4,
                mfma_per_wave(arch, s1.BM, 2 * s1.BN, H, s1.workgroup_waves, int4_tiles(s1))),
         # stage 2's output: a bf16 row per (token, slot), or fp32 atomic adds into [T, H] counted once
         # (the convention aiter's row uses for its bf16 adds; atomic throughput is not modelled)
         Launch("stage 2", k2, math.ceil(blocks * (H // s2.BN)),
-               d * weight_bytes(fmt, H, I) + rows * I * 2 + rows * 4
+               d * weight_bytes(weight_format, H, I) + rows * I * 2 + rows * 4
                + (tokens * TOP_K * H * 2 if s2.reduce == "slots" else tokens * H * 4),
                mfma_per_wave(arch, s2.BM, s2.BN, I // s2.split_k, s2.workgroup_waves, int4_tiles(s2))),
     ]
@@ -160,16 +160,16 @@ def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto") ->
 
 def peer_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
     s1, s2 = peer_specs(arch, tokens)
-    fmt = FORMAT[arch]
+    weight_format = FORMAT[arch]
     blocks = expected_blocks(tokens, s1.BM)
     rows = blocks * s1.BM
     d = distinct_experts(tokens)
     return [
         Launch("stage 1", kernels[s1.key], math.ceil(blocks * (I // s1.tile_n)),
-               d * weight_bytes(fmt, 2 * I, H) + tokens * H * 2 + rows * I * 2 + rows * 4,
+               d * weight_bytes(weight_format, 2 * I, H) + tokens * H * 2 + rows * I * 2 + rows * 4,
                mfma_per_wave(arch, s1.BM, 2 * s1.tile_n, H, 4)),
         Launch("stage 2", kernels[s2.key], math.ceil(blocks * (H // s2.tile_n)),
-               d * weight_bytes(fmt, H, I) + rows * I * 2 + tokens * H * 2 + rows * 4,
+               d * weight_bytes(weight_format, H, I) + rows * I * 2 + tokens * H * 2 + rows * 4,
                mfma_per_wave(arch, s2.BM, s2.tile_n, I, 4)),
     ]
 
@@ -322,7 +322,7 @@ def _detail(launch: Launch, t) -> dict:
 
 def model_rows(arch: str, tokens_list, ours: dict, peer: dict, params: Params, reduce: str = "auto") -> list[dict]:
     device = isa_model.DEVICES[arch]
-    fmt = FORMAT[arch]
+    weight_format = FORMAT[arch]
     rows = []
     for t in tokens_list:
         row: dict = {"arch": arch, "device": device.name, "tokens": t}
@@ -352,8 +352,8 @@ def model_rows(arch: str, tokens_list, ours: dict, peer: dict, params: Params, r
         if "ours_all_us" in row and "aiter_all_us" in row:
             row["ratio_kernels"] = round(row["ours_kernels_us"] / row["aiter_kernels_us"], 2)
             row["ratio_all"] = round(row["ours_all_us"] / row["aiter_all_us"], 2)
-        if fmt == "int4":
-            floor = distinct_experts(t) * (weight_bytes(fmt, 2 * I, H) + weight_bytes(fmt, H, I)) \
+        if weight_format == "int4":
+            floor = distinct_experts(t) * (weight_bytes(weight_format, 2 * I, H) + weight_bytes(weight_format, H, I)) \
                 / (0.70 * device.peak_tbs * 1e12) * 1e6
             row["int4_floor_us"] = round(floor, 1)
             if "ours_all_us" in row:

@@ -42,11 +42,11 @@ def table_tiers(table: str, key: str, triton: str) -> dict[str, MoEConfig]:
     return {t: MoEConfig.from_json(c) for t, c in data["tritons"][version]["entries"][key]["tiers"].items()}
 
 
-def rows_for(fmt: str, shape: tuple[int, int, int], tokens: int, name: str, cfg: MoEConfig, target: str,
+def rows_for(weight_format: str, shape: tuple[int, int, int], tokens: int, name: str, cfg: MoEConfig, target: str,
              offsets: bool) -> list[dict]:
     from kimi_k3_moe.kernels.triton import aot
     e, h, i = shape
-    plan = aot.plan_for_shape(aot.meta_experts(fmt, e, h, i, offsets=offsets), tokens, 16, SITU,
+    plan = aot.plan_for_shape(aot.meta_experts(weight_format, e, h, i, offsets=offsets), tokens, 16, SITU,
                               cfg.validate(h, i).for_target(target.startswith("sm_")))
     out = []
     for launch in plan:
@@ -73,7 +73,7 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     import triton
-    fmt, e, n, k = tt.parse_shape_key(args.key)
+    weight_format, e, n, k = tt.parse_shape_key(args.key)
     tiers = table_tiers(args.table, args.key, args.triton or tt.triton_version())
     given = json.load(open(args.configs)) if args.configs else {}
     rows = []
@@ -83,7 +83,7 @@ def main() -> int:
         for name, cfg in configs.items():
             start = time.perf_counter()
             try:
-                got = rows_for(fmt, (e, k, n // 2), t, name, cfg, args.target, args.offsets)
+                got = rows_for(weight_format, (e, k, n // 2), t, name, cfg, args.target, args.offsets)
             except ValueError as exc:  # an invalid candidate: said, not compiled
                 print(f"{t:>6} {name}: skipped ({exc})", flush=True)
                 continue

@@ -41,11 +41,11 @@ def main() -> int:
     out = args.out or str(tt.table_path(user_tables.device_identity()["key"]))
     jobs = [(s, f) for s in args.shapes.split(",") for f in args.formats.split(",")]
     deadline = time.monotonic() + args.budget_s
-    for n, (shape, fmt) in enumerate(jobs):
+    for n, (shape, weight_format) in enumerate(jobs):
         budget_min = max(0.0, (deadline - time.monotonic()) / (len(jobs) - n)) / 60
-        quick = args.quick_secondary and (shape, fmt) != ("tp8", "mxfp4")
-        log(f"{shape} {fmt}: {budget_min:.1f} min")
-        rc = cli.main(["tune", "--backend", "triton", "--shape", shape, "--format", fmt, "--tiers", args.tiers,
+        quick = args.quick_secondary and (shape, weight_format) != ("tp8", "mxfp4")
+        log(f"{shape} {weight_format}: {budget_min:.1f} min")
+        rc = cli.main(["tune", "--backend", "triton", "--shape", shape, "--format", weight_format, "--tiers", args.tiers,
                        "--budget-min", f"{max(budget_min, 1e-3):.4f}", "--reps", str(args.reps),
                        "--packaged", out] + (["--quick"] if quick else []))
         if rc:

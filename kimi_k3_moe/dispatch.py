@@ -53,19 +53,19 @@ class BackendChoice:
         return f"{self.name}[{opts}]" if opts else self.name
 
 
-def _choice(spec: BackendSpec, platform: Platform, fmt: str, reason: str) -> BackendChoice:
-    return BackendChoice(spec.name, {**spec.options(platform, fmt), "weight_format": fmt}, reason)
+def _choice(spec: BackendSpec, platform: Platform, weight_format: str, reason: str) -> BackendChoice:
+    return BackendChoice(spec.name, {**spec.options(platform, weight_format), "weight_format": weight_format}, reason)
 
 
 def _choices_for(platform: Platform) -> list[BackendChoice]:
     # The whole chain shares one weight format, so a fallback computes the same
     # function and can take pre-converted int4 experts.
-    fmt = platform.weight_format
+    weight_format = platform.weight_format
     plan = []
     for spec in kernels.SPECS:
-        ok, why = spec.runs_on(platform, fmt)
+        ok, why = spec.runs_on(platform, weight_format)
         if ok:
-            plan.append(_choice(spec, platform, fmt, why))
+            plan.append(_choice(spec, platform, weight_format, why))
     return plan
 
 
@@ -74,8 +74,8 @@ def _with_act_dtype(plan: list[BackendChoice], platform: Platform, act_dtype: st
     """Each choice with `act_dtype` in its options; those that cannot run it dropped (or, forced, refused)."""
     kept, kernels_support = [], set()
     for choice in plan:
-        spec, fmt = choice.spec, choice.options.get("weight_format", platform.weight_format)
-        supported = spec.act_dtypes(platform, fmt)
+        spec, weight_format = choice.spec, choice.options.get("weight_format", platform.weight_format)
+        supported = spec.act_dtypes(platform, weight_format)
         if not spec.emulates:
             kernels_support.update(supported)
         if act_dtype in supported:

@@ -22,9 +22,9 @@ class QuantizationInfo:
     @classmethod
     def from_dict(cls, q: dict[str, Any]) -> "QuantizationInfo":
         method = q.get("quant_method")
-        fmt = q.get("format")
-        if fmt not in SUPPORTED_QUANT_FORMATS:
-            raise ConfigError(f"quantization_config.format {fmt!r} is not supported; "
+        quant_format = q.get("format")
+        if quant_format not in SUPPORTED_QUANT_FORMATS:
+            raise ConfigError(f"quantization_config.format {quant_format!r} is not supported; "
                               f"expected one of {SUPPORTED_QUANT_FORMATS}")
         weights = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
         bits = {w.get("num_bits") for w in weights if w} or {4}
@@ -33,7 +33,7 @@ class QuantizationInfo:
             raise ConfigError(f"quantization_config: expected 4-bit weights in groups of "
                               f"{mxfp4.BLOCK_SIZE}, found num_bits {sorted(bits)} and "
                               f"group_size {sorted(groups)}")
-        return cls(method, fmt, 4, mxfp4.BLOCK_SIZE, tuple(q.get("ignore") or ()))
+        return cls(method, quant_format, 4, mxfp4.BLOCK_SIZE, tuple(q.get("ignore") or ()))
 
 
 @dataclass(frozen=True)

@@ -239,16 +239,16 @@ class Lookup:
     source: str  # "table <file> tier <t>" or "heuristic"
 
 
-def shape_key(fmt: str, num_experts: int, n: int, k: int) -> str:
+def shape_key(weight_format: str, num_experts: int, n: int, k: int) -> str:
     """Table key of a layer: weight format and stage-1 shape (E experts, N = 2I, K = H)."""
-    return f"{fmt}/E{num_experts}_N{n}_K{k}"
+    return f"{weight_format}/E{num_experts}_N{n}_K{k}"
 
 
 def parse_shape_key(key: str) -> tuple[str, int, int, int]:
     """`shape_key`'s inverse: 'mxfp4/E896_N768_K3584' -> ('mxfp4', 896, 768, 3584)."""
-    fmt, shape = key.split("/")
+    weight_format, shape = key.split("/")
     e, n, k = (int(x[1:]) for x in shape.split("_"))
-    return fmt, e, n, k
+    return weight_format, e, n, k
 
 
 def table_path(dev_key: str) -> Path:
@@ -351,12 +351,12 @@ def describe_packaged(identity: dict) -> str:
 USER_TABLE = user_tables.TableKind("triton", _user_tiers, _check_user_entry, describe_packaged)
 
 
-def _user_entry(dev_key: str, fmt: str, num_experts: int, n: int, k: int):
+def _user_entry(dev_key: str, weight_format: str, num_experts: int, n: int, k: int):
     """((key, entry), origin) of a user table for exactly this shape on this device, else None."""
     identity = user_tables.device_identity()
     if identity["key"] != dev_key:
         return None
-    key = shape_key(fmt, num_experts, n, k)
+    key = shape_key(weight_format, num_experts, n, k)
     found = user_tables.entry(USER_TABLE, key, identity)
     return None if found is None else ((key, found[0]), found[1])
 
@@ -371,47 +371,47 @@ def pick_tier(tiers: list[int], num_tokens: int) -> int:
     return tiers[-1]
 
 
-def find_entry(entries: dict, fmt: str, num_experts: int, n: int, k: int) -> tuple[str, dict] | None:
+def find_entry(entries: dict, weight_format: str, num_experts: int, n: int, k: int) -> tuple[str, dict] | None:
     """Exact shape first; else the same (N, K) tuned with another expert count (EP slices)."""
-    key = shape_key(fmt, num_experts, n, k)
+    key = shape_key(weight_format, num_experts, n, k)
     if key in entries:
         return key, entries[key]
     suffix = f"_N{n}_K{k}"
-    same_nk = sorted(name for name in entries if name.startswith(f"{fmt}/") and name.endswith(suffix))
+    same_nk = sorted(name for name in entries if name.startswith(f"{weight_format}/") and name.endswith(suffix))
     if same_nk:
         return same_nk[0], entries[same_nk[0]]
     return None
 
 
-def find_versioned(table: dict, running: str, fmt: str, num_experts: int, n: int,
+def find_versioned(table: dict, running: str, weight_format: str, num_experts: int, n: int,
                    k: int) -> tuple[str, str, dict] | None:
     """(Triton version, key, entry): the running version's section first, then the nearest that has the shape."""
     for version in versions_nearest_first(table, running):
-        found = find_entry(table["tritons"][version]["entries"], fmt, num_experts, n, k)
+        found = find_entry(table["tritons"][version]["entries"], weight_format, num_experts, n, k)
         if found is not None:
             return (version, *found)
     return None
 
 
-# verify(config, fmt, num_experts, hidden, inter, tier) -> None when the config compiles under the running
+# verify(config, weight_format, num_experts, hidden, inter, tier) -> None when the config compiles under the running
 # Triton without spills, else why not (the backend's check; lookups without one serve foreign entries unchecked)
 Verify = Callable[[MoEConfig, str, int, int, int, int], "str | None"]
 
 
-def lookup(dev_key: str, fmt: str, num_experts: int, hidden: int, inter: int, num_tokens: int,
+def lookup(dev_key: str, weight_format: str, num_experts: int, hidden: int, inter: int, num_tokens: int,
            *, is_cuda: bool, table: dict | None = None, triton: str | None = None,
            verify: Verify | None = None) -> Lookup:
     """The config for `num_tokens` tokens; valid for every num_tokens >= 0. `triton`: the running
     Triton's major.minor (default: this process's)."""
     running = triton_version() if triton is None else triton
     # a valid user table (kimi-k3-moe tune, under this Triton) for exactly this device and shape comes first
-    user = _user_entry(dev_key, fmt, num_experts, 2 * inter, hidden) if table is None else None
+    user = _user_entry(dev_key, weight_format, num_experts, 2 * inter, hidden) if table is None else None
     version = running
     if user is not None:
         found, origin = user
     else:
         table = load_table(dev_key) if table is None else table
-        hit = None if table is None else find_versioned(table, running, fmt, num_experts, 2 * inter, hidden)
+        hit = None if table is None else find_versioned(table, running, weight_format, num_experts, 2 * inter, hidden)
         found = None if hit is None else hit[1:]
         version = running if hit is None else hit[0]
         origin = f"table {dev_key} triton {version}"
@@ -430,7 +430,7 @@ def lookup(dev_key: str, fmt: str, num_experts: int, hidden: int, inter: int, nu
         return Lookup(cfg, source)
     if verify is None:
         return Lookup(cfg, f"{source} (tuned under Triton {version}; not checked under Triton {running})")
-    why = verify(cfg, fmt, num_experts, hidden, inter, tier)
+    why = verify(cfg, weight_format, num_experts, hidden, inter, tier)
     if why:
         return Lookup(heuristic_config(hidden, inter, num_tokens, is_cuda=is_cuda),
                       f"heuristic ({source}, tuned under Triton {version}: {why} under Triton {running})")

@@ -43,7 +43,7 @@ CHECKPOINT_LAYOUT = Layout()
 class PackedExperts(PackedShapes):
     """Experts in a backend's layout; subclasses name the layout (and whether tensors must be contiguous)."""
 
-    fmt: str                      # "mxfp4" | "int4"
+    weight_format: str                      # "mxfp4" | "int4"
     w13: torch.Tensor
     w13_scale: torch.Tensor
     w2: torch.Tensor
@@ -56,12 +56,12 @@ class PackedExperts(PackedShapes):
 
     def __post_init__(self) -> None:
         cls = type(self).__name__
-        if self.fmt not in KINDS:
-            raise ValueError(f"{cls}: weight format {self.fmt!r} not in {KINDS}")
+        if self.weight_format not in KINDS:
+            raise ValueError(f"{cls}: weight format {self.weight_format!r} not in {KINDS}")
         e, two_i, half_h = self.w13.shape
         if tuple(self.w2.shape) != (e, half_h * 2, two_i // 4):
             raise ValueError(f"w2 shape {tuple(self.w2.shape)} does not match w13 {tuple(self.w13.shape)}")
-        scale_dtype = torch.uint8 if self.fmt == MXFP4 else torch.bfloat16
+        scale_dtype = torch.uint8 if self.weight_format == MXFP4 else torch.bfloat16
         must = "contiguous " if self.contiguous else ""
         for name in ("w13", "w2"):
             codes = getattr(self, name)
@@ -74,7 +74,7 @@ class PackedExperts(PackedShapes):
                     if suffix == "scale":
                         raise ValueError(f"{cls}.{name}_scale is required")
                     continue
-                if suffix == "offset" and self.fmt == MXFP4:
+                if suffix == "offset" and self.weight_format == MXFP4:
                     raise ValueError("MXFP4 experts carry no offsets")
                 if t.dtype != dtype or tuple(t.shape) != groups or (self.contiguous and not t.is_contiguous()):
                     raise ValueError(f"{cls}.{name}_{suffix}: {t.dtype} {tuple(t.shape)}, "
@@ -100,10 +100,6 @@ class PackedExperts(PackedShapes):
 
     # ------------------------------------------------------------------ values
     @property
-    def weight_format(self) -> str:
-        return self.fmt
-
-    @property
     def has_offsets(self) -> bool:
         return self.w13_offset is not None
 
@@ -120,9 +116,9 @@ class PackedExperts(PackedShapes):
         decoders (MXFP4 values are exact in float32; int4's q * s + o is exact only in float64)."""
         out = []
         for name in ("w13", "w2"):
-            codes = self.layout.unswizzle(getattr(self, name)[expert], self.fmt)
+            codes = self.layout.unswizzle(getattr(self, name)[expert], self.weight_format)
             scale = getattr(self, f"{name}_scale")[expert]
-            if self.fmt == MXFP4:
+            if self.weight_format == MXFP4:
                 out.append(mxfp4.dequantize(codes, scale, name=f"{name}[{expert}]", dtype=dtype))
             else:
                 offset = getattr(self, f"{name}_offset")

@@ -56,9 +56,9 @@ class MoEBackend(ABC):
         """Experts in this backend's `format` (or its own prepared form) -> its prepared form."""
         require_format(experts, self.format, self.describe(), self.prepared_types)
         prepared = experts if isinstance(experts, self.prepared_types) else self.lay_out(experts)
-        fmt = getattr(prepared, "fmt", self.format.kind)
-        if fmt != self.format.kind:
-            raise ValueError(f"{self.describe()}: prepared experts are {fmt}, the backend runs {self.format.kind}")
+        weight_format = getattr(prepared, "weight_format", self.format.kind)
+        if weight_format != self.format.kind:
+            raise ValueError(f"{self.describe()}: prepared experts are {weight_format}, the backend runs {self.format.kind}")
         return prepared
 
     @abstractmethod

@@ -42,7 +42,7 @@ class FlyDSLTarget:
         subprocess build (tests use the real one)."""
         self.shape, self.activation, self.arch, self.identity = shape, activation, arch, identity
         self.backend_obj = FlyDSLBackend(arch=arch)
-        self.fmt = self.backend_obj.weight_format
+        self.weight_format = self.backend_obj.weight_format
         self.prepared = prepare_for(self.backend_obj, experts)
         self.launch = launch or self.backend_obj._launch
         self.out_dir, self.rocm = Path(out_dir), rocm
@@ -54,11 +54,11 @@ class FlyDSLTarget:
         return self._tiers
 
     def table_extra(self) -> dict:
-        return {"target_arch": self.arch, "weight_format": self.fmt}
+        return {"target_arch": self.arch, "weight_format": self.weight_format}
 
     def _configs(self, tier: int, t: Tier):
         s = self.shape
-        return tiles.stage_configs(self.arch, self.fmt, hidden=s.hidden, inter=s.inter, top_k=s.topk,
+        return tiles.stage_configs(self.arch, self.weight_format, hidden=s.hidden, inter=s.inter, top_k=s.topk,
                                    num_tokens=tier, activation=self.activation, has_offsets=self.prepared.has_offsets,
                                    table=tiles.load_table({self.arch: [{"max_tokens": None, "BM": t.BM,
                                                                          "stage1": t.stage1, "stage2": t.stage2}]}))
@@ -136,7 +136,7 @@ class FlyDSLTarget:
                          "stage1": cfg["stage1"], "stage2": cfg["stage2"], "tuned_at_tokens": tier,
                          **{k: v for k, v in info.items() if k != "config"}})
         s = self.shape
-        return tiles.shape_key(self.fmt, s.hidden, s.inter, s.topk), {"tiers": rows}
+        return tiles.shape_key(self.weight_format, s.hidden, s.inter, s.topk), {"tiers": rows}
 
 
 def _tag(tile: dict) -> str:

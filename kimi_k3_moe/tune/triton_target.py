@@ -26,7 +26,7 @@ class TritonTarget:
     def __init__(self, shape, experts, activation, *, identity: dict, weight_format: str = "mxfp4",
                  tiers=None, quick: bool = False, max_per_round: int | None = None):
         self.shape, self.identity, self.activation = shape, identity, activation
-        self.fmt, self.quick, self.max_per_round = weight_format, quick, max_per_round
+        self.weight_format, self.quick, self.max_per_round = weight_format, quick, max_per_round
         self._tiers = list(tiers or tuning_space.TIERS)
         self.experts = experts
         self.is_cuda = experts.device.type == "cuda" and not getattr(torch.version, "hip", None)
@@ -36,7 +36,7 @@ class TritonTarget:
         return self._tiers
 
     def table_extra(self) -> dict:
-        return {"weight_format": self.fmt, "quick": self.quick}
+        return {"weight_format": self.weight_format, "quick": self.quick}
 
     def _cand(self, tier, cfg, label) -> Candidate:
         cfg = cfg.for_target(self.is_cuda)
@@ -82,7 +82,7 @@ class TritonTarget:
         except ValueError as exc:
             return False, f"invalid: {exc}"
         dev = self.experts.device
-        be = get_backend("triton", weight_format=self.fmt, config=cand.config)
+        be = get_backend("triton", weight_format=self.weight_format, config=cand.config)
         hidden = torch.randn(4, h, device=dev).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(self.shape.held_experts, device=dev)[:self.shape.topk] for _ in range(4)])
         weights = torch.full(ids.shape, 1.0 / self.shape.topk, device=dev)
@@ -103,12 +103,12 @@ class TritonTarget:
         return True, "compiled"
 
     def runner(self, cand: Candidate):
-        be = get_backend("triton", weight_format=self.fmt, config=cand.config)
+        be = get_backend("triton", weight_format=self.weight_format, config=cand.config)
         return lambda hidden, weights, ids, expert_map: be.forward(self.prepared, hidden, weights, ids,
                                                                    self.activation, expert_map)
 
     def reference_weights(self):
-        if self.fmt == "mxfp4":
+        if self.weight_format == "mxfp4":
             e = self.experts
             return (lambda x: mxfp4.dequantize(e.w13_packed[x], e.w13_scale[x]),
                     lambda x: mxfp4.dequantize(e.w2_packed[x], e.w2_scale[x]))
@@ -117,7 +117,7 @@ class TritonTarget:
 
     def packaged(self, tier: int) -> dict:
         s = self.shape
-        found = tt.lookup(self.identity["key"], self.fmt, s.held_experts, s.hidden, s.inter, tier,
+        found = tt.lookup(self.identity["key"], self.weight_format, s.held_experts, s.hidden, s.inter, tier,
                           is_cuda=self.is_cuda, table=tt.load_table(self.identity["key"]) or {})
         return {"config": found.config.to_json(), "source": found.source}
 
@@ -127,4 +127,4 @@ class TritonTarget:
         for tier, (cand, info) in chosen.items():
             cfg = cand.config.to_json() if cand is not None else info["config"]
             tiers[str(tier)] = {**cfg, **{k: v for k, v in info.items() if k != "config"}}
-        return tt.shape_key(self.fmt, s.held_experts, 2 * s.inter, s.hidden), {"tiers": tiers}
+        return tt.shape_key(self.weight_format, s.held_experts, 2 * s.inter, s.hidden), {"tiers": tiers}

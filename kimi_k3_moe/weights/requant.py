@@ -61,15 +61,15 @@ def requantize_experts(
     return Int4Experts(w13, w2)
 
 
-def to_format(experts, fmt: WeightFormat, where: str = "the load path"):
-    """`experts` in `fmt`: MXFP4 Mxfp4Experts as they are, or converted to int4 with `fmt`'s method.
+def to_format(experts, weight_format: WeightFormat, where: str = "the load path"):
+    """`experts` in `weight_format`: MXFP4 Mxfp4Experts as they are, or converted to int4 with `weight_format`'s method.
 
     Pre-converted experts (a `kimi-k3-moe convert` checkpoint) are taken only
-    when their method is `fmt`'s: methods are never mixed silently. Anything
+    when their method is `weight_format`'s: methods are never mixed silently. Anything
     else (a backend's own prepared form) passes through for the backend to judge.
     """
-    if fmt.kind == INT4 and isinstance(experts, Mxfp4Experts):
-        return requantize_experts(experts, method=fmt.method)
+    if weight_format.kind == INT4 and isinstance(experts, Mxfp4Experts):
+        return requantize_experts(experts, method=weight_format.method)
     if isinstance(experts, (Mxfp4Experts, Int4Experts)):
-        require_format(experts, fmt, where)
+        require_format(experts, weight_format, where)
     return experts

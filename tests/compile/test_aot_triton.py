@@ -63,28 +63,28 @@ def runs_on(target: str, origin: str) -> bool:
 
 
 def table_configs():
-    """(fmt, E, H, I, MoEConfig, origin) for every tier of every shipped table, plus the heuristic."""
+    """(weight_format, E, H, I, MoEConfig, origin) for every tier of every shipped table, plus the heuristic."""
     out = []
     for path in sorted(TABLES.glob("triton_*.json")):
         table = json.loads(path.read_text())
         for version, section in table["tritons"].items():
             for key, entry in section["entries"].items():
-                fmt, e, n, k = tt.parse_shape_key(key)
+                weight_format, e, n, k = tt.parse_shape_key(key)
                 for tier, cfg in entry["tiers"].items():
-                    out.append((fmt, e, k, n // 2, tt.MoEConfig.from_json(cfg), f"{path.stem} {version} {key} T{tier}"))
-    for fmt in ("mxfp4", "int4"):
+                    out.append((weight_format, e, k, n // 2, tt.MoEConfig.from_json(cfg), f"{path.stem} {version} {key} T{tier}"))
+    for weight_format in ("mxfp4", "int4"):
         for e, h, i in ((896, 3584, 384), (896, 3584, 192)):
             for t in (1, 64, 512, 2048, 16384):
                 for is_cuda in (True, False):  # the heuristic differs per vendor (LDS size)
-                    out.append((fmt, e, h, i, tt.heuristic_config(h, i, t, is_cuda=is_cuda),
+                    out.append((weight_format, e, h, i, tt.heuristic_config(h, i, t, is_cuda=is_cuda),
                                 f"heuristic{'' if is_cuda else '-hip'} T{t}"))
     return out
 
 
-def _specs(target: str, fmt, e, h, i, cfg, act=SITU, offsets=False):
+def _specs(target: str, weight_format, e, h, i, cfg, act=SITU, offsets=False):
     from kimi_k3_moe.kernels.triton.aot import meta_experts, plan_for_shape
     cfg = cfg.for_target(target.startswith("sm_"))
-    return plan_for_shape(meta_experts(fmt, e, h, i, offsets=offsets), 64, 16, ActivationSpec(*act), cfg)
+    return plan_for_shape(meta_experts(weight_format, e, h, i, offsets=offsets), 64, 16, ActivationSpec(*act), cfg)
 
 
 def _key(launch, target):
@@ -92,9 +92,9 @@ def _key(launch, target):
 
 
 def _compile_one(job):
-    target, fmt, e, h, i, cfg_json, act, offsets, index, gate, origin = job
+    target, weight_format, e, h, i, cfg_json, act, offsets, index, gate, origin = job
     from kimi_k3_moe.kernels.triton.aot import compile_launch
-    launch = _specs(target, fmt, e, h, i, tt.MoEConfig.from_json(cfg_json), act, offsets)[index]
+    launch = _specs(target, weight_format, e, h, i, tt.MoEConfig.from_json(cfg_json), act, offsets)[index]
     try:
         report, _ = compile_launch(launch, target)
         return {**report.row(), "gated": gate, "origin": origin}
@@ -106,20 +106,20 @@ def _compile_one(job):
 def collect_jobs():
     jobs = {}
     for target in TARGETS:
-        for fmt, e, h, i, cfg, origin in table_configs():
+        for weight_format, e, h, i, cfg, origin in table_configs():
             gate = runs_on(target, origin)
             if origin.startswith("heuristic") and not gate:
                 continue  # the other vendor's heuristic never runs on this target
             # int4 offsets add a load and an FMA per group; compiled for the heuristic configs
             # (what an untuned device runs) to keep CI's compile time modest
-            offsets = fmt == "int4" and origin.startswith("heuristic")
+            offsets = weight_format == "int4" and origin.startswith("heuristic")
             variants = [(SITU, False)] + ([(SITU, True)] if offsets else [])
             for act, offsets in variants:
-                for index, launch in enumerate(_specs(target, fmt, e, h, i, cfg, act, offsets)):
+                for index, launch in enumerate(_specs(target, weight_format, e, h, i, cfg, act, offsets)):
                     key = _key(launch, target)
                     gated = gate and same_triton(origin)
                     if key not in jobs or (gated and not jobs[key][-2]):
-                        jobs[key] = (target, fmt, e, h, i, cfg.to_json(), act, offsets, index, gated, origin)
+                        jobs[key] = (target, weight_format, e, h, i, cfg.to_json(), act, offsets, index, gated, origin)
     return list(jobs.values())
 
 

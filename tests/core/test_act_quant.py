@@ -101,15 +101,15 @@ def test_flydsl_quantized_activations_need_mxfp4_weights():
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_flydsl_backend_is_made_exactly_where_its_spec_says_it_serves(arch):
     spec, platform = kernels.get_spec("flydsl"), Platform("rocm", arch, "test")
-    for fmt in ("mxfp4", "int4"):
+    for weight_format in ("mxfp4", "int4"):
         for act in act_quant.ACT_DTYPES:
-            ok, why = spec.supports(platform, fmt, act)
+            ok, why = spec.supports(platform, weight_format, act)
             try:
-                get_backend("flydsl", arch=arch, weight_format=fmt, act_dtype=act)
+                get_backend("flydsl", arch=arch, weight_format=weight_format, act_dtype=act)
             except ValueError as exc:
-                assert not ok, (fmt, act, why, exc)
+                assert not ok, (weight_format, act, why, exc)
             else:
-                assert ok, (fmt, act, why)
+                assert ok, (weight_format, act, why)
 
 
 def stand_in_spec(monkeypatch, name, **declared):
@@ -117,7 +117,7 @@ def stand_in_spec(monkeypatch, name, **declared):
     module = types.ModuleType(f"stand_in_{name}")
     module.make_backend = lambda **options: options
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    spec = BackendSpec(name, module.__name__, lambda platform, fmt: (platform.vendor == "cuda", "stand-in"),
+    spec = BackendSpec(name, module.__name__, lambda platform, weight_format: (platform.vendor == "cuda", "stand-in"),
                        **declared)
     assert kernels.SPECS[1].name == "triton"
     monkeypatch.setattr(kernels, "SPECS", (kernels.SPECS[0], spec, *kernels.SPECS[2:]))
@@ -232,7 +232,7 @@ def test_a_backend_plugs_fp8_in_through_its_spec(monkeypatch):
     """A stand-in for the Triton package declaring fp8 on sm_89+ with per-token scales: the plan keeps
     it first and the torch fallback emulates the same scheme."""
     stand_in_spec(monkeypatch, "triton",
-                  act_dtypes=lambda p, fmt: ("bf16", "fp8") if sm_version(p.arch) >= 89 else ("bf16",),
+                  act_dtypes=lambda p, weight_format: ("bf16", "fp8") if sm_version(p.arch) >= 89 else ("bf16",),
                   act_quant_for=lambda arch, act: ActQuant(act, "token", "token") if act == "fp8" else ActQuant(act))
     got = plan("cuda", "sm_90", **{ENV_ACT_DTYPE: "fp8"})
     assert got == [("triton", {"weight_format": "mxfp4", "act_dtype": "fp8"}),

@@ -86,11 +86,11 @@ def test_quantize_per_token_matches_an_independent_encoder(gen):
     assert np.array_equal(fp8.dequantize_per_token(codes, scales).numpy(), ml_decode(ml_encode(x32 / s)).astype(np.float32) * s)
 
 
-@pytest.mark.parametrize("fmt, bound", [("mx", 2 ** -4), ("token", 2 ** -4)])
-def test_relative_error_per_element_within_half_an_ulp(gen, fmt, bound):
+@pytest.mark.parametrize("weight_format, bound", [("mx", 2 ** -4), ("token", 2 ** -4)])
+def test_relative_error_per_element_within_half_an_ulp(gen, weight_format, bound):
     """Normal-range elements: |q - x| <= 2^-4 |x| (3 mantissa bits, round to nearest)."""
     x = torch.randn(64, 128, generator=gen)
-    if fmt == "mx":
+    if weight_format == "mx":
         q = fp8.dequantize_mx(*fp8.quantize_mx(x))
         tiny = x.abs() < 2.0 ** -6 * fp8.e4m3_table()[0x7E] / 448   # conservative: skip near-subnormals
     else:

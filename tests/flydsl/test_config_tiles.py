@@ -66,9 +66,9 @@ def test_bad_tables_are_refused_when_loaded(edit, message):
 @pytest.mark.parametrize("hidden, inter", [(3584, 384), (7168, 3072), (3584, 768), (256, 128), (384, 256)])
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_tiles_fit_every_shape_the_kernels_can_serve(arch, hidden, inter):
-    fmt = "int4" if arch == "gfx942" else "mxfp4"
+    weight_format = "int4" if arch == "gfx942" else "mxfp4"
     for n in (1, 129, 2049):
-        c1, c2 = tiles.stage_configs(arch, fmt, hidden=hidden, inter=inter, top_k=8, num_tokens=n, activation=SITU)
+        c1, c2 = tiles.stage_configs(arch, weight_format, hidden=hidden, inter=inter, top_k=8, num_tokens=n, activation=SITU)
         assert (c1.N, c1.K, c2.N, c2.K) == (inter, hidden, hidden, inter)
 
 
@@ -185,11 +185,11 @@ def test_every_ci_config_has_a_unique_plain_symbol_name():
 
 def test_sweep_covers_every_tier_tile():
     configs = set(ci_configs())
-    for arch, fmt in (("gfx942", "int4"), ("gfx950", "mxfp4")):
+    for arch, weight_format in (("gfx942", "int4"), ("gfx950", "mxfp4")):
         for tier in tiles.default_table()[arch]:
             n = tier.max_tokens or 10**6
             for act in (SILU, SITU):
-                assert set(tiles.stage_configs(arch, fmt, num_tokens=n, activation=act, **K3)) <= configs
+                assert set(tiles.stage_configs(arch, weight_format, num_tokens=n, activation=act, **K3)) <= configs
     assert any(c.has_offsets for c in configs if c.arch == "gfx942")
 
 

@@ -195,8 +195,8 @@ def test_asymmetric_int4_offsets_are_honoured(gen):
 def test_kernel_variants_runtime_betas_atomic_split_k_and_unroll(gen, arch):
     prep = prepared_layer(gen, arch, inter=256)
     x, tw, ids = random_routing(gen, T, E, K, H)
-    fmt = prep.weight_format
-    c1, c2 = tiles.stage_configs(arch, fmt, hidden=H, inter=256, top_k=K, num_tokens=T, activation=SITU)
+    weight_format = prep.weight_format
+    c1, c2 = tiles.stage_configs(arch, weight_format, hidden=H, inter=256, top_k=K, num_tokens=T, activation=SITU)
     variants = [
         (c1.with_activation(SITU, betas="runtime"), replace(c2, reduce="atomic", split_k=2)),
         (replace(c1, kb_unroll=2, waves=2, BM=32, a_lds=True), replace(c2, kb_unroll=2, BM=32, a_lds=True)),
@@ -221,10 +221,10 @@ def test_k_split_over_waves_matches_the_reference_and_its_indices_are_checked(ge
     hidden = 512                                         # 4 K blocks: k_waves 4 has one each
     prep = prepared_layer(gen, arch, offsets=arch == "gfx942", hidden=hidden)
     x, tw, ids = random_routing(gen, 3, E, K, hidden)
-    fmt = prep.weight_format
+    weight_format = prep.weight_format
     results = {}
     for direct in (E, None):
-        c1, c2 = tiles.stage_configs(arch, fmt, hidden=hidden, inter=I, top_k=K, num_tokens=3, activation=SITU,
+        c1, c2 = tiles.stage_configs(arch, weight_format, hidden=hidden, inter=I, top_k=K, num_tokens=3, activation=SITU,
                                      has_offsets=prep.has_offsets, direct_experts=direct)
         for waves, k_waves in ((1, 4), (2, 2)):
             v1 = replace(c1, waves=waves, k_waves=k_waves, a_lds=False)

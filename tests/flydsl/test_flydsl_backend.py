@@ -44,11 +44,11 @@ def test_without_arch_and_without_gpu_it_says_so():
 
 
 def test_dispatch_plans_flydsl_first_with_options_the_backend_accepts():
-    for arch, fmt in (("gfx942", "int4"), ("gfx950", "mxfp4")):
+    for arch, weight_format in (("gfx942", "int4"), ("gfx950", "mxfp4")):
         plan = plan_backends(Platform("rocm", arch, "test"), env={})
         assert [c.name for c in plan][:2] == ["flydsl", "triton"]
         backend = plan[0].make()
-        assert (backend.arch, backend.weight_format) == (arch, fmt)
+        assert (backend.arch, backend.weight_format) == (arch, weight_format)
 
 
 def test_gfx942_prepares_int4_and_dequantizes_what_it_encodes(gen):

@@ -50,7 +50,7 @@ class Rigged(FlyDSLTarget):
             from kimi_k3_moe.kernels.flydsl import pipeline
             silu = ActivationSpec.silu()
             s = self.shape
-            cfgs = tiles.stage_configs(self.arch, self.fmt, hidden=s.hidden, inter=s.inter, top_k=s.topk,
+            cfgs = tiles.stage_configs(self.arch, self.weight_format, hidden=s.hidden, inter=s.inter, top_k=s.topk,
                                        num_tokens=cand.tier, activation=silu,
                                        table=tiles.load_table({self.arch: [{"max_tokens": None, "BM": cand.config.BM,
                                                                "stage1": cand.config.stage1,

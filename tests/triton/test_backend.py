@@ -98,16 +98,16 @@ def problem(module_gen):
     return ex, requantize_experts(ex, progress=False), gen
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("weight_format", ["mxfp4", "int4"])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_matches_reference_and_honours_the_activation(fmt, path, problem):
+def test_matches_reference_and_honours_the_activation(weight_format, path, problem):
     """Every path and format computes SiTUv2 (and SiLU) to the reference; the two results differ."""
     ex, conv, gen = problem
-    backend = get_backend("triton", weight_format=fmt, config=PATHS[path])
-    prepared = backend.prepare(ex if fmt == "mxfp4" else conv)
+    backend = get_backend("triton", weight_format=weight_format, config=PATHS[path])
+    prepared = backend.prepare(ex if weight_format == "mxfp4" else conv)
     hidden = P.hidden(gen, 4)
     weights, ids = P.routing(gen, 4)
-    assert_follows_the_activation(backend, prepared, hidden, weights, ids, f"{fmt} {path}")
+    assert_follows_the_activation(backend, prepared, hidden, weights, ids, f"{weight_format} {path}")
 
 
 @pytest.mark.parametrize("n_tiles", [1, 3])
@@ -302,17 +302,17 @@ def skewed_routing(gen, tokens=64):
     return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("weight_format", ["mxfp4", "int4"])
 @pytest.mark.parametrize("order", sorted(TAILS))
-def test_tail_tile_rows_match_the_reference(fmt, order, problem):
+def test_tail_tile_rows_match_the_reference(weight_format, order, problem):
     """A 32 + 16 row block: rows of the tail tile are computed, activated and stored like the main
     tile's (SiTUv2 and SiLU both to the reference, and different)."""
     ex, conv, gen = problem
-    backend = get_backend("triton", weight_format=fmt, config=TAILS[order])
-    prepared = backend.prepare(ex if fmt == "mxfp4" else conv)
+    backend = get_backend("triton", weight_format=weight_format, config=TAILS[order])
+    prepared = backend.prepare(ex if weight_format == "mxfp4" else conv)
     hidden = P.hidden(gen, 64)
     weights, ids = skewed_routing(gen)
-    assert_follows_the_activation(backend, prepared, hidden, weights, ids, f"{fmt} {order}")
+    assert_follows_the_activation(backend, prepared, hidden, weights, ids, f"{weight_format} {order}")
 
 
 @pytest.mark.parametrize("order", ["stacked", "split-s1-tail", "s2-tiles"])

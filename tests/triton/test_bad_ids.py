@@ -24,10 +24,10 @@ def problem(module_gen):
     return ex, requantize_experts(ex, progress=False), module_gen
 
 
-def _backend_and_experts(problem, fmt, path):
+def _backend_and_experts(problem, weight_format, path):
     ex, conv, _ = problem
-    backend = get_backend("triton", weight_format=fmt, config=PATHS[path])
-    return backend, backend.prepare(ex if fmt == "mxfp4" else conv)
+    backend = get_backend("triton", weight_format=weight_format, config=PATHS[path])
+    return backend, backend.prepare(ex if weight_format == "mxfp4" else conv)
 
 
 def _bad_ids(ids, gen, num_ids):
@@ -42,13 +42,13 @@ def _bad_ids(ids, gen, num_ids):
     return wild, dropped
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4"])
+@pytest.mark.parametrize("weight_format", ["mxfp4", "int4"])
 @pytest.mark.parametrize("path", sorted(PATHS))
-def test_a_bad_id_is_a_pair_of_another_rank(fmt, path, problem, monkeypatch):
+def test_a_bad_id_is_a_pair_of_another_rank(weight_format, path, problem, monkeypatch):
     monkeypatch.delenv(settings.CHECK_EXPERT_IDS, raising=False)
     if path == "aligned-4-launches":
         monkeypatch.setattr(alignment, "SMALL_PAIRS", 0)
-    backend, prepared = _backend_and_experts(problem, fmt, path)
+    backend, prepared = _backend_and_experts(problem, weight_format, path)
     gen = problem[2]
     hidden = P.hidden(gen, 5)
     weights, ids = P.routing(gen, 5)

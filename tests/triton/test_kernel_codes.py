@@ -32,19 +32,19 @@ def test_an_impossible_weights_combination_is_refused_in_one_line():
     valid = {weights_of(code) for code in range(len(C.WEIGHTS))}
     refused = [c for c in product((MXFP4, INT4), DECODERS, (False, True)) if c not in valid]
     assert len(valid) == 7 and len(refused) == 5
-    for fmt, decode, offsets in refused:
+    for weight_format, decode, offsets in refused:
         with pytest.raises(ValueError) as err:
-            weights_code(fmt, decode, offsets)
+            weights_code(weight_format, decode, offsets)
         msg = str(err.value)
-        assert "\n" not in msg and repr(fmt) in msg and f"offsets={offsets}" in msg, msg
+        assert "\n" not in msg and repr(weight_format) in msg and f"offsets={offsets}" in msg, msg
     with pytest.raises(ValueError, match="'int4' weights with decoder 'ptx-wide' and offsets=False"):
         weights_code(INT4, decode_code("ptx", True), False)
     with pytest.raises(ValueError, match="'fp8'"):
         weights_code("fp8", C.DECODE_BITS, False)
 
 
-def _stage_args(cfg: MoEConfig, fmt=MXFP4, offsets=False, expert_map=False, wide=False) -> dict:
-    experts = meta_experts(fmt, 8, 256, 128, offsets=offsets)
+def _stage_args(cfg: MoEConfig, weight_format=MXFP4, offsets=False, expert_map=False, wide=False) -> dict:
+    experts = meta_experts(weight_format, 8, 256, 128, offsets=offsets)
     experts.wide_scales = wide
     plan = plan_for_shape(experts, 4, 2, SITU, cfg.validate(256, 128), expert_map=expert_map)
     return {launch.label: launch.args for launch in plan if launch.label.split(".")[-1] in ("aligned", "gemv")}
@@ -58,13 +58,13 @@ GEMV = tt.heuristic_config(256, 128, 1, is_cuda=True)
 
 
 @pytest.mark.parametrize("cfg", [ALIGNED, DIRECT, GEMV], ids=["aligned", "direct", "gemv"])
-@pytest.mark.parametrize("fmt, offsets, wide", [(MXFP4, False, False), (MXFP4, False, True), (INT4, False, False),
+@pytest.mark.parametrize("weight_format, offsets, wide", [(MXFP4, False, False), (MXFP4, False, True), (INT4, False, False),
                                                 (INT4, True, False)])
-def test_every_stage_launch_carries_the_weights_code(cfg, fmt, offsets, wide):
-    args = _stage_args(cfg, fmt, offsets, wide=wide)
+def test_every_stage_launch_carries_the_weights_code(cfg, weight_format, offsets, wide):
+    args = _stage_args(cfg, weight_format, offsets, wide=wide)
     assert len(args) == 2
     for a in args.values():
-        assert weights_of(a["WEIGHTS"]) == (fmt, decode_code(cfg.decode, wide), offsets)
+        assert weights_of(a["WEIGHTS"]) == (weight_format, decode_code(cfg.decode, wide), offsets)
         assert not {"FMT", "DECODE", "HAS_OFFSETS"} & set(a)
 
 

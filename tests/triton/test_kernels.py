@@ -20,24 +20,24 @@ def _pair_order_probe(out_ptr, N: tl.constexpr):
 
 
 @pytest.mark.parametrize("pairs", [False, True])
-@pytest.mark.parametrize("fmt", ["mxfp4", "int4", "int4+offsets"])
-def test_bits_decoder_matches_the_format(fmt, pairs, gen):
+@pytest.mark.parametrize("weight_format", ["mxfp4", "int4", "int4+offsets"])
+def test_bits_decoder_matches_the_format(weight_format, pairs, gen):
     ex = _data.experts(gen, e=1, h=256, i=32)
-    if fmt == "mxfp4":
+    if weight_format == "mxfp4":
         prepared = layout.from_mxfp4(*ex.tensors())
     else:
         conv = [int4.requantize(ex.w13_packed, ex.w13_scale), int4.requantize(ex.w2_packed, ex.w2_scale)]
-        if fmt == "int4+offsets":
+        if weight_format == "int4+offsets":
             conv = [int4.Int4Weights(c.packed, c.scales, "test",
                                      (torch.randn(c.scales.shape, generator=gen) * 0.05).bfloat16()) for c in conv]
         prepared = layout.from_int4(*conv)
     got = decode_rows(prepared.w13[0], prepared.w13_scale[0],
                       None if prepared.w13_offset is None else prepared.w13_offset[0],
-                      "mxfp4" if fmt == "mxfp4" else "int4", "bits", block_n=16, block_k=128, pairs=pairs)
+                      "mxfp4" if weight_format == "mxfp4" else "int4", "bits", block_n=16, block_k=128, pairs=pairs)
     want = prepared.dequantize(0)[0]
     # the kernels feed bf16 to the dot: MXFP4 is exact there, int4 rounds to nearest
     assert torch.equal(got, want.bfloat16().float())
-    if fmt == "mxfp4":
+    if weight_format == "mxfp4":
         assert torch.equal(got, want)
 
 

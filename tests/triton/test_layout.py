@@ -16,13 +16,13 @@ def all_bytes(rows=4):
     return torch.arange(256, dtype=torch.uint8).repeat(rows, 1)  # [rows, 256]: every byte, every position
 
 
-@pytest.mark.parametrize("fmt", layout.WEIGHT_FORMATS)
-def test_word_layout_roundtrips(fmt, gen):
+@pytest.mark.parametrize("weight_format", layout.WEIGHT_FORMATS)
+def test_word_layout_roundtrips(weight_format, gen):
     packed = torch.cat([all_bytes(), torch.randint(0, 256, (4, 256), generator=gen, dtype=torch.uint8)])
-    words = layout.to_word_layout(packed, fmt)
+    words = layout.to_word_layout(packed, weight_format)
     assert words.shape == packed.shape and words.dtype == torch.uint8
-    assert torch.equal(layout.from_word_layout(words, fmt), packed)
-    chunked = layout.to_word_layout(packed.reshape(2, 4, 256), fmt, chunk_bytes=256)
+    assert torch.equal(layout.from_word_layout(words, weight_format), packed)
+    chunked = layout.to_word_layout(packed.reshape(2, 4, 256), weight_format, chunk_bytes=256)
     assert torch.equal(chunked.reshape(8, 256), words)
 
 
@@ -33,12 +33,12 @@ def test_word_layout_bit_positions():
         codes = torch.zeros(8, dtype=torch.uint8)
         codes[j] = 0xF
         packed = mxfp4.pack_nibbles(codes)
-        for fmt, expected in (
+        for weight_format, expected in (
             ("mxfp4", (7 << mxfp4_mag[j]) | (1 << mxfp4_sign[j])),
             ("int4", 0xF << (4 * (j // 2) + 16 * (j % 2))),
         ):
-            word = layout.to_word_layout(packed, fmt).view(torch.int32).item() & 0xFFFFFFFF
-            assert word == expected, (fmt, j, hex(word), hex(expected))
+            word = layout.to_word_layout(packed, weight_format).view(torch.int32).item() & 0xFFFFFFFF
+            assert word == expected, (weight_format, j, hex(word), hex(expected))
 
 
 # ---------------------------------------------------------------- PTX emulator

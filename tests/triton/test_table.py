@@ -32,12 +32,12 @@ def probe_tokens(tiers):
     return sorted({1, *tiers, *(t + 1 for t in tiers), *(max(1, t - 1) for t in tiers), *FAR})
 
 
-def check_entry(table, dev, fmt, e, h, i, version="3.8"):
-    _, entry = tt.find_entry(table["tritons"][version]["entries"], fmt, e, 2 * i, h)
+def check_entry(table, dev, weight_format, e, h, i, version="3.8"):
+    _, entry = tt.find_entry(table["tritons"][version]["entries"], weight_format, e, 2 * i, h)
     tiers = tt.tiers_of(entry)
     for t in probe_tokens(tiers):
         for is_cuda in (True, False):
-            found = tt.lookup(dev, fmt, e, h, i, t, is_cuda=is_cuda, table=table, triton=version)
+            found = tt.lookup(dev, weight_format, e, h, i, t, is_cuda=is_cuda, table=table, triton=version)
             expected = next((x for x in tiers if t <= x), tiers[-1])
             assert found.source.endswith(f"tier {expected}"), (t, found.source)
             assert found.source != "heuristic"
@@ -62,7 +62,7 @@ def test_the_running_tritons_entries_serve_else_the_nearest_versions_after_the_c
     table["tritons"]["3.9"] = synthetic_table("3.9")["tritons"]["3.9"]
     calls = []
 
-    def ok(cfg, fmt, e, h, i, tier):
+    def ok(cfg, weight_format, e, h, i, tier):
         calls.append(tier)
         return None
 
@@ -95,8 +95,8 @@ def test_shipped_tables(path):
     for version, section in table["tritons"].items():
         assert section["tuned_with"]["triton"].startswith(version + ".")
         for key in section["entries"]:
-            fmt, e, n, k = tt.parse_shape_key(key)
-            check_entry(table, dev, fmt, e, k, n // 2, version)
+            weight_format, e, n, k = tt.parse_shape_key(key)
+            check_entry(table, dev, weight_format, e, k, n // 2, version)
 
 
 def test_h200_table_covers_k3():
@@ -104,11 +104,11 @@ def test_h200_table_covers_k3():
     if path is None:
         pytest.skip("no H200 table shipped yet")
     table = json.loads(path.read_text())
-    for fmt in ("mxfp4", "int4"):
+    for weight_format in ("mxfp4", "int4"):
         for e, h, i in K3:
             for running in ("3.6", "3.8"):   # the H200 image's Triton and the engines' users'
-                assert tt.lookup("nvidia_h200", fmt, e, h, i, 64, is_cuda=True, table=table,
-                                 triton=running).source.startswith("table "), (fmt, i, running)
+                assert tt.lookup("nvidia_h200", weight_format, e, h, i, 64, is_cuda=True, table=table,
+                                 triton=running).source.startswith("table "), (weight_format, i, running)
 
 
 @pytest.mark.parametrize("e,h,i", K3 + [(6, 128, 64), (4, 96, 32)])

@@ -41,7 +41,7 @@ class Rigged(TritonTarget):
 
     def runner(self, cand):
         if "wrong-activation" in cand.label:
-            be = get_backend("triton", weight_format=self.fmt, config=cand.config)
+            be = get_backend("triton", weight_format=self.weight_format, config=cand.config)
             return lambda h, w, i, emap: be.forward(self.prepared, h, w, i, ActivationSpec.silu(), emap)
         return super().runner(cand)
 

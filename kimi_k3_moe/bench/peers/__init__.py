@@ -29,14 +29,14 @@ def make_ours(spec: str) -> Peer:
     from kimi_k3_moe.experts import KINDS
     from kimi_k3_moe.kernels import SPECS
     parts = spec.split(":")
-    backend, fmt, act = (parts + ["", ""])[:3]
+    backend, weight_format, act = (parts + ["", ""])[:3]
     # a typo is a usage error, as for --peers; not a row saying "not available"
-    if len(parts) > 3 or backend not in {s.name for s in SPECS} or fmt not in ("", *KINDS) \
+    if len(parts) > 3 or backend not in {s.name for s in SPECS} or weight_format not in ("", *KINDS) \
             or act not in ("", *ACT_DTYPES):
         raise ValueError(f"--ours {spec!r}: expected backend[:weight format[:activation dtype]] with backend one "
                          f"of {', '.join(s.name for s in SPECS)}, format {'/'.join(KINDS)}, "
                          f"activation dtype {'/'.join(ACT_DTYPES)}")
-    return OursPeer(backend, fmt or "mxfp4", **({"act_dtype": act} if act else {}))
+    return OursPeer(backend, weight_format or "mxfp4", **({"act_dtype": act} if act else {}))
 
 
 __all__ = ["ENGINE", "OTHER", "OURS", "PEER_NAMES", "Peer", "PeerUnavailable", "Runner", "make_ours", "make_peer"]

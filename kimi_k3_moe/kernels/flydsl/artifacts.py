@@ -59,9 +59,9 @@ def _msgpack(buf: bytes, i: int = 0):
              0xDC: (">H", "arr"), 0xDD: (">I", "arr"), 0xDE: (">H", "map"), 0xDF: (">I", "map")}
     if b not in sized:
         raise ValueError(f"msgpack type byte 0x{b:02x} at {i} is not handled")
-    fmt, kind = sized[b]
-    n = struct.unpack_from(fmt, buf, i + 1)[0]
-    o = i + 1 + struct.calcsize(fmt)
+    weight_format, kind = sized[b]
+    n = struct.unpack_from(weight_format, buf, i + 1)[0]
+    o = i + 1 + struct.calcsize(weight_format)
     if kind == "str":
         return buf[o:o + n].decode(), o + n
     if kind == "bin":

@@ -48,9 +48,9 @@ class FlyDSLBackend(MoEBackend):
         if self.arch is not None:
             check_arch(self.arch)
         here = for_arch(self.arch)
-        fmt = weight_format or (here.weight_format if self.arch else None)
-        if self.arch and fmt not in supported_weight_formats(self.arch):
-            raise ValueError(f"flydsl on {self.arch}: weight_format {fmt!r} not in "
+        weight_format = weight_format or (here.weight_format if self.arch else None)
+        if self.arch and weight_format not in supported_weight_formats(self.arch):
+            raise ValueError(f"flydsl on {self.arch}: weight_format {weight_format!r} not in "
                              f"{supported_weight_formats(self.arch)}")
         if betas not in BETA_MODES:
             raise ValueError(f"flydsl: betas {betas!r} not in {BETA_MODES}")
@@ -63,11 +63,11 @@ class FlyDSLBackend(MoEBackend):
         # refused here, at load, as the spec declares: gfx942 has no scaled MFMA (LLVM would abort
         # compiling one), and the scaled MFMA reads e2m1 weights
         act_dtype = check_supported(self.name, self.arch, act_dtype, supported_act_dtypes(self.arch))
-        if act_dtype not in SPEC.act_dtypes(here, fmt):
+        if act_dtype not in SPEC.act_dtypes(here, weight_format):
             raise ValueError(f"flydsl on {self.arch}: act_dtype {act_dtype!r} runs on MXFP4 weights "
-                             f"(the scaled MFMA reads e2m1), not {fmt!r}")
+                             f"(the scaled MFMA reads e2m1), not {weight_format!r}")
         self.act_quant = ActQuant.for_dtype(act_dtype)
-        self.format = WeightFormat.of(fmt, int4_method) if fmt else None
+        self.format = WeightFormat.of(weight_format, int4_method) if weight_format else None
         self.betas = betas
         self.reduce = reduce
         self._compiled: dict[KernelConfig, Any] = {}

@@ -237,15 +237,15 @@ class KernelConfig:
 
     @property
     def name(self) -> str:
-        fmt = self.weight_format + ("ofs" if self.has_offsets else "")
+        weights = self.weight_format + ("ofs" if self.has_offsets else "")
         if self.quantized:
-            fmt += "_a8" if self.act_dtype == FP8 else "_a4"
+            weights += "_a8" if self.act_dtype == FP8 else "_a4"
         tile = (f"bm{self.BM}_w{self.waves}x{self.n_rep}" + (f"_kw{self.k_waves}" if self.k_waves > 1 else "")
                 + f"_u{self.kb_unroll}" + ("_lds" if self.a_lds else "")
                 + ("_pf" if self.prefetch else "") + ("_lf" if self.load_first else "")
                 + (f"_wpe{self.waves_per_eu}" if self.waves_per_eu else "")
                 + (f"_dir{self.num_experts}" if self.direct else ""))
-        name = (f"k3moe_s{self.stage}_{self.arch}_{fmt}_n{self.N}_k{self.K}_top{self.top_k}_{tile}_"
+        name = (f"k3moe_s{self.stage}_{self.arch}_{weights}_n{self.N}_k{self.K}_top{self.top_k}_{tile}_"
                 f"{self.activation_tag()}")
         if not _SYMBOL.fullmatch(name):   # it becomes an assembler symbol and a folder name
             raise ValueError(f"kernel name {name!r} is not a plain identifier")

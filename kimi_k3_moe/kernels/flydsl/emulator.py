@@ -241,23 +241,23 @@ class TorchOps:
         return torch.where(i >= 2**31, i - 2**32, i).to(torch.int32).view(torch.float32)
 
 
-def _abi_k(fmt: str, g: int) -> list[int]:
+def _abi_k(weight_format: str, g: int) -> list[int]:
     """Logical k (0..127) of value v = 0..31 of a lane in group g, per the scaled MFMA's operand ABI:
     e2m1 32 consecutive k; e4m3 two runs of 16, 64 apart (AMD CDNA4 matrix-core guide, FlyDSL mxfp_moe)."""
-    if fmt == FP4:
+    if weight_format == FP4:
         return [32 * g + v for v in range(32)]
     return [16 * g + v if v < 16 else 64 + 16 * g + (v - 16) for v in range(32)]
 
 
 @functools.lru_cache(maxsize=None)
-def _abi_k_table(fmt: str) -> torch.Tensor:
+def _abi_k_table(weight_format: str) -> torch.Tensor:
     """[64, 32]: logical k of each value of each lane."""
-    return torch.tensor([_abi_k(fmt, lane >> 4) for lane in range(L.LANES)])
+    return torch.tensor([_abi_k(weight_format, lane >> 4) for lane in range(L.LANES)])
 
 
-def _operand_values(fmt: str, regs: torch.Tensor) -> torch.Tensor:
+def _operand_values(weight_format: str, regs: torch.Tensor) -> torch.Tensor:
     """[64, 16 | 32] register bytes -> [64, 32] element values (e2m1 low nibble first, or e4m3 bytes)."""
-    if fmt == FP4:
+    if weight_format == FP4:
         return mxfp4.e2m1_table()[mxfp4.unpack_nibbles(regs).long()]
     return fp8.decode(regs)
 

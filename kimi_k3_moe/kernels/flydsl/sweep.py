@@ -27,18 +27,18 @@ OTHER_SITU = ActivationSpec.situv2(2.0, 1.5)   # a second beta pair: must never 
 def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
     out: dict[KernelConfig | QuantConfig, None] = {}
     for arch in archs:
-        fmt = Platform("rocm", arch).weight_format   # the format the plan serves there
+        weight_format = Platform("rocm", arch).weight_format   # the format the plan serves there
         shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
-        for cfg in tiles.sweep_configs(arch, fmt, activations=[ActivationSpec.silu(), K3_SITU],
+        for cfg in tiles.sweep_configs(arch, weight_format, activations=[ActivationSpec.silu(), K3_SITU],
                                        num_experts=K3_EXPERTS, **shape):
             out.setdefault(cfg)
-        s1, s2 = tiles.stage_configs(arch, fmt, num_tokens=1, activation=K3_SITU, **shape)
+        s1, s2 = tiles.stage_configs(arch, weight_format, num_tokens=1, activation=K3_SITU, **shape)
         extras = [
             s1.with_activation(K3_SITU, betas="runtime"),
             s1.with_activation(OTHER_SITU),
             replace(s2, reduce="atomic", split_k=3, k_waves=1),
         ]
-        if fmt == INT4:
+        if weight_format == INT4:
             extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True)]
         for cfg in extras:
             out.setdefault(cfg)

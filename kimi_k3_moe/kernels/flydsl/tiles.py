@@ -88,9 +88,9 @@ def default_table() -> dict[str, tuple[Tier, ...]]:
     return load_table()
 
 
-def shape_key(fmt: str, hidden: int, inter: int, top_k: int) -> str:
+def shape_key(weight_format: str, hidden: int, inter: int, top_k: int) -> str:
     """A user table's entry key for a layer of this shape."""
-    return f"{fmt}/N{2 * inter}_K{hidden}_top{top_k}"
+    return f"{weight_format}/N{2 * inter}_K{hidden}_top{top_k}"
 
 
 def _user_row(r: dict) -> dict:
@@ -110,12 +110,12 @@ def _check_user_entry(key: str, entry: dict) -> None:
 USER_TABLE = user_tables.TableKind("flydsl", _user_tiers, _check_user_entry)
 
 
-def user_tiers(arch: str, fmt: str, hidden: int, inter: int, top_k: int):
+def user_tiers(arch: str, weight_format: str, hidden: int, inter: int, top_k: int):
     """{arch: tiers} from a user table for this exact shape on this GPU, else None."""
     table, _ = user_tables.load(USER_TABLE)
     if table is None or table.get("target_arch") != arch:
         return None
-    entry = table["entries"].get(shape_key(fmt, hidden, inter, top_k))
+    entry = table["entries"].get(shape_key(weight_format, hidden, inter, top_k))
     if entry is None:
         return None
     return load_table({arch: [_user_row(r) for r in entry["tiers"]]})

@@ -11,7 +11,7 @@ def _runs_on(platform, weight_format):
 
 # Every act dtype on any arch: quantized activations are emulated (quantize, dequantize, fp32).
 # Picks experts with host round trips, so it cannot run inside a CUDA graph capture.
-SPEC = BackendSpec("torch", __name__, _runs_on, act_dtypes=lambda platform, fmt: ACT_DTYPES,
+SPEC = BackendSpec("torch", __name__, _runs_on, act_dtypes=lambda platform, weight_format: ACT_DTYPES,
                    graph_safe=False, self_checked=False, emulates=True)
 
 

@@ -44,18 +44,18 @@ def blocks_per_sm(target: str, registers: int, num_warps: int, shared: int) -> i
     return min(by_regs, by_shared, lim.warps // num_warps, lim.blocks)
 
 
-def meta_experts(fmt: str, num_experts: int, hidden: int, inter: int, offsets: bool = False) -> TritonExperts:
+def meta_experts(weight_format: str, num_experts: int, hidden: int, inter: int, offsets: bool = False) -> TritonExperts:
     dev = "meta"
-    scale_dtype = torch.uint8 if fmt == MXFP4 else torch.bfloat16
+    scale_dtype = torch.uint8 if weight_format == MXFP4 else torch.bfloat16
 
     def side(n, k):
         return (torch.empty(num_experts, n, k // 2, dtype=torch.uint8, device=dev),
                 torch.empty(num_experts, n, k // 32, dtype=scale_dtype, device=dev))
     w13, s13 = side(2 * inter, hidden)
     w2, s2 = side(hidden, inter)
-    o13 = torch.empty_like(s13) if offsets and fmt == INT4 else None
-    o2 = torch.empty_like(s2) if offsets and fmt == INT4 else None
-    return TritonExperts(fmt, w13, s13, w2, s2, o13, o2)
+    o13 = torch.empty_like(s13) if offsets and weight_format == INT4 else None
+    o2 = torch.empty_like(s2) if offsets and weight_format == INT4 else None
+    return TritonExperts(weight_format, w13, s13, w2, s2, o13, o2)
 
 
 def plan_for_shape(experts, num_tokens: int, topk: int, activation: ActivationSpec,

@@ -62,7 +62,7 @@ class TritonBackend(MoEBackend):
         per-pair buffers). `act_dtype` is "bf16" (the only one: see kernels/triton/__init__.py);
         `arch` ("sm_90", "gfx942", ...) defaults to this machine's."""
         try:
-            fmt = WeightFormat.of(weight_format, int4_method)
+            weight_format = WeightFormat.of(weight_format, int4_method)
         except ValueError as exc:
             raise ValueError(f"triton backend: {exc}") from None
         if decode not in (None, *triton_table.DECODES):
@@ -71,10 +71,10 @@ class TritonBackend(MoEBackend):
             raise ValueError(f"triton backend: chunk_tokens must be >= 1, got {chunk_tokens}")
         self.arch = arch if arch is not None else detect_arch()
         # as the spec declares (the error names the arch and its choices)
-        act_dtype = check_supported(self.name, self.arch, act_dtype, SPEC.act_dtypes(for_arch(self.arch), fmt.kind))
+        act_dtype = check_supported(self.name, self.arch, act_dtype, SPEC.act_dtypes(for_arch(self.arch), weight_format.kind))
         self.act_dtype = act_dtype
         self.act_quant = SPEC.act_quant_for(self.arch, act_dtype)
-        self.format = fmt
+        self.format = weight_format
         self.prepared_types = (TritonExperts,)
         self.config = config
         self.decode = decode
@@ -125,7 +125,7 @@ class TritonBackend(MoEBackend):
         if self.config is not None:
             found = Lookup(self.config, "pinned")
         else:
-            found = _cached_lookup(dev_key, prepared.fmt, prepared.num_experts, prepared.hidden_size,
+            found = _cached_lookup(dev_key, prepared.weight_format, prepared.num_experts, prepared.hidden_size,
                                    prepared.intermediate_size, num_tokens, is_cuda, self.table, self.arch)
         cfg = found.config
         if self.decode is not None and self.decode != cfg.decode:
@@ -193,14 +193,14 @@ def _log_wide_scales_once() -> None:
 
 
 @lru_cache(maxsize=4096)
-def _cached_lookup_inner(dev_key, fmt, e, h, i, t, is_cuda, arch) -> Lookup:
-    return triton_table.lookup(dev_key, fmt, e, h, i, t, is_cuda=is_cuda, verify=spill_check(arch))
+def _cached_lookup_inner(dev_key, weight_format, e, h, i, t, is_cuda, arch) -> Lookup:
+    return triton_table.lookup(dev_key, weight_format, e, h, i, t, is_cuda=is_cuda, verify=spill_check(arch))
 
 
-def _cached_lookup(dev_key, fmt, e, h, i, t, is_cuda, table, arch) -> Lookup:
+def _cached_lookup(dev_key, weight_format, e, h, i, t, is_cuda, table, arch) -> Lookup:
     if table is not None:
-        return triton_table.lookup(dev_key, fmt, e, h, i, t, is_cuda=is_cuda, table=table, verify=spill_check(arch))
-    return _cached_lookup_inner(dev_key, fmt, e, h, i, t, is_cuda, arch)
+        return triton_table.lookup(dev_key, weight_format, e, h, i, t, is_cuda=is_cuda, table=table, verify=spill_check(arch))
+    return _cached_lookup_inner(dev_key, weight_format, e, h, i, t, is_cuda, arch)
 
 
 # what a table entry tuned under another Triton is compiled with before it serves: the model's activation
@@ -211,18 +211,18 @@ CHECK_TOP_K = 16
 
 def spill_check(arch: str):
     """The lookup's check of a table entry tuned under another Triton (triton_table.Verify)."""
-    return lambda cfg, fmt, e, h, i, tier: _spills(arch, fmt, e, h, i, tier, json.dumps(cfg.to_json(), sort_keys=True))
+    return lambda cfg, weight_format, e, h, i, tier: _spills(arch, weight_format, e, h, i, tier, json.dumps(cfg.to_json(), sort_keys=True))
 
 
 @lru_cache(maxsize=256)
-def _spills(arch: str, fmt: str, e: int, h: int, i: int, tier: int, cfg_json: str) -> str | None:
+def _spills(arch: str, weight_format: str, e: int, h: int, i: int, tier: int, cfg_json: str) -> str | None:
     """None when every launch of this config compiles for `arch` under the running Triton without
     spilling (once per config: compiling is seconds, on the CPU), else why not."""
     from kimi_k3_moe.kernels.triton import aot
     if arch not in aot.TARGETS:
         return f"no compile check for {arch}"
     cfg = MoEConfig.from_json(json.loads(cfg_json))
-    plan = aot.plan_for_shape(aot.meta_experts(fmt, e, h, i), tier, CHECK_TOP_K, CHECK_ACTIVATION, cfg)
+    plan = aot.plan_for_shape(aot.meta_experts(weight_format, e, h, i), tier, CHECK_TOP_K, CHECK_ACTIVATION, cfg)
     for launch in plan:
         try:
             report, _ = aot.compile_launch(launch, arch)

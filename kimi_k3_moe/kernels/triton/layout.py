@@ -32,14 +32,14 @@ WORD = 8  # K elements per 32-bit word
 _INT4_SHIFT = tuple(4 * (j // 2) + 16 * (j % 2) for j in range(WORD))
 
 
-def _words_from_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+def _words_from_codes(codes: torch.Tensor, weight_format: str) -> torch.Tensor:
     """uint8 codes [..., K] (values < 16) -> uint8 [..., K/2] in the word layout."""
     if codes.shape[-1] % WORD:
         raise ValueError(f"K ({codes.shape[-1]}) must be a multiple of {WORD}")
     c = codes.to(torch.int64).unflatten(-1, (-1, WORD))
     word = torch.zeros(c.shape[:-1], dtype=torch.int64, device=codes.device)
     for j in range(WORD):
-        if fmt == MXFP4:
+        if weight_format == MXFP4:
             word |= (c[..., j] & 7) << C.MXFP4_MAG_BIT[j]
             word |= ((c[..., j] >> 3) & 1) << C.MXFP4_SIGN_BIT[j]
         else:
@@ -49,14 +49,14 @@ def _words_from_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     return word32.contiguous().view(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2)
 
 
-def _codes_from_words(words: torch.Tensor, fmt: str) -> torch.Tensor:
+def _codes_from_words(words: torch.Tensor, weight_format: str) -> torch.Tensor:
     """Inverse of `_words_from_codes`: uint8 [..., K/2] -> uint8 codes [..., K]."""
     if words.shape[-1] % 4:
         raise ValueError(f"packed row length {words.shape[-1]} is not a whole number of words")
     w = words.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     parts = []
     for j in range(WORD):
-        if fmt == MXFP4:
+        if weight_format == MXFP4:
             mag = (w >> C.MXFP4_MAG_BIT[j]) & 7
             sign = (w >> C.MXFP4_SIGN_BIT[j]) & 1
             parts.append(mag | (sign << 3))
@@ -65,27 +65,27 @@ def _codes_from_words(words: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.stack(parts, dim=-1).flatten(-2).to(torch.uint8)
 
 
-def to_word_layout(packed: torch.Tensor, fmt: str, *, chunk_bytes: int = 64 << 20) -> torch.Tensor:
+def to_word_layout(packed: torch.Tensor, weight_format: str, *, chunk_bytes: int = 64 << 20) -> torch.Tensor:
     """Checkpoint nibble order (element 2j low, 2j+1 high) -> the word layout.
 
     Works through dim 0 in chunks so scratch memory stays near 16x `chunk_bytes`.
     """
-    _check_fmt(fmt)
+    _check_fmt(weight_format)
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
     if packed.dim() < 2:
-        return _words_from_codes(mxfp4.unpack_nibbles(packed), fmt)
+        return _words_from_codes(mxfp4.unpack_nibbles(packed), weight_format)
     out = torch.empty_like(packed)
     step = max(1, chunk_bytes // max(1, packed[0].numel()))
     for start in range(0, packed.shape[0], step):
-        out[start:start + step] = _words_from_codes(mxfp4.unpack_nibbles(packed[start:start + step]), fmt)
+        out[start:start + step] = _words_from_codes(mxfp4.unpack_nibbles(packed[start:start + step]), weight_format)
     return out
 
 
-def from_word_layout(words: torch.Tensor, fmt: str) -> torch.Tensor:
+def from_word_layout(words: torch.Tensor, weight_format: str) -> torch.Tensor:
     """The word layout -> checkpoint nibble order."""
-    _check_fmt(fmt)
-    return mxfp4.pack_nibbles(_codes_from_words(words, fmt))
+    _check_fmt(weight_format)
+    return mxfp4.pack_nibbles(_codes_from_words(words, weight_format))
 
 
 def wide_scales(*scales: torch.Tensor) -> bool:
@@ -94,9 +94,9 @@ def wide_scales(*scales: torch.Tensor) -> bool:
     return any(not s.is_meta and s.numel() and int(s.max()) > C.MXFP4_FOLD_MAX_SCALE for s in scales)
 
 
-def _check_fmt(fmt: str) -> None:
-    if fmt not in WEIGHT_FORMATS:
-        raise ValueError(f"weight format {fmt!r} not in {WEIGHT_FORMATS}")
+def _check_fmt(weight_format: str) -> None:
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_format!r} not in {WEIGHT_FORMATS}")
 
 
 class WordLayout(Layout):
@@ -124,7 +124,7 @@ class TritonExperts(PackedExperts):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.wide_scales is None:
-            self.wide_scales = self.fmt == MXFP4 and wide_scales(self.w13_scale, self.w2_scale)
+            self.wide_scales = self.weight_format == MXFP4 and wide_scales(self.w13_scale, self.w2_scale)
 
 
 def from_mxfp4(w13_packed, w13_scale, w2_packed, w2_scale) -> TritonExperts:

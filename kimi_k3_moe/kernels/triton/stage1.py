@@ -56,7 +56,7 @@ def weight_args(experts: TritonExperts, which: str, decode: str) -> dict:
     return dict(w_ptr=w, stride_we=w.stride(0), stride_wn=w.stride(1),
                 s_ptr=s, stride_se=s.stride(0), stride_sn=s.stride(1),
                 o_ptr=s if o is None else o,
-                WEIGHTS=weights_code(experts.fmt, decode_code(decode, experts.wide_scales), o is not None))
+                WEIGHTS=weights_code(experts.weight_format, decode_code(decode, experts.wide_scales), o is not None))
 
 
 def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch]:

@@ -17,17 +17,17 @@ def decode_code(decode: str, wide_scales: bool) -> int:
     return C.DECODE_PTX_WIDE if code == C.DECODE_PTX and wide_scales else code
 
 
-def weights_code(fmt: str, decode: int, offsets: bool) -> int:
-    """WEIGHTS for weights of format `fmt` (experts.MXFP4 / INT4), the decoder `decode` (a DECODE_*
+def weights_code(weight_format: str, decode: int, offsets: bool) -> int:
+    """WEIGHTS for weights of format `weight_format` (experts.MXFP4 / INT4), the decoder `decode` (a DECODE_*
     code, decode_code) and whether they carry per-group offsets (int4 only)."""
-    key = (FMT_CODES.get(fmt), decode, bool(offsets))
+    key = (FMT_CODES.get(weight_format), decode, bool(offsets))
     if key not in C.WEIGHTS:
-        raise ValueError(f"no kernel decodes {fmt!r} weights with decoder {DECODE_NAMES.get(decode, decode)!r} "
+        raise ValueError(f"no kernel decodes {weight_format!r} weights with decoder {DECODE_NAMES.get(decode, decode)!r} "
                          f"and offsets={bool(offsets)} (the wide PTX decoder is MXFP4's, offsets int4's)")
     return C.WEIGHTS.index(key)
 
 
 def weights_of(code: int) -> tuple[str, int, bool]:
     """WEIGHTS code -> (format, decoder, offsets): weights_code's inverse."""
-    fmt, decode, offsets = C.WEIGHTS[code]
-    return next(name for name, c in FMT_CODES.items() if c == fmt), decode, offsets
+    weight_format, decode, offsets = C.WEIGHTS[code]
+    return next(name for name, c in FMT_CODES.items() if c == weight_format), decode, offsets
