@@ -86,7 +86,7 @@ class Recipe:
 
 def _build_plan(recipe: Recipe, device="cuda"):
     from kimi_k3_moe.activation import ActivationSpec
-    from kimi_k3_moe.configs.triton_table import MoEConfig
+    from kimi_k3_moe.kernels.triton.table import MoEConfig
     from kimi_k3_moe.kernels.triton.layout import TritonExperts
     from kimi_k3_moe.kernels.triton.moe import plan_moe
     e, h, i = recipe.num_experts, recipe.hidden, recipe.inter

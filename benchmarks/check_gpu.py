@@ -32,7 +32,7 @@ from _common import (SHAPES, Recipe, env_info, log, poison_allocator, precompile
 import torch  # noqa: E402
 
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
-from kimi_k3_moe.configs.triton_table import KOrder, heuristic_config  # noqa: E402
+from kimi_k3_moe.kernels.triton.table import KOrder, heuristic_config  # noqa: E402
 from kimi_k3_moe.formats.bf16 import round_once  # noqa: E402
 from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402

@@ -26,8 +26,8 @@ if str(REPO) not in sys.path:
 os.environ.setdefault("TRITON_INTERPRET", "0")
 
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
-from kimi_k3_moe.configs import triton_table as tt  # noqa: E402
-from kimi_k3_moe.configs.triton_table import MoEConfig  # noqa: E402
+from kimi_k3_moe.kernels.triton import table as tt  # noqa: E402
+from kimi_k3_moe.kernels.triton.table import MoEConfig  # noqa: E402
 
 STAGES = ("stage1.aligned", "stage2.aligned", "stage1.gemv", "stage2.gemv")
 SITU = ActivationSpec.situv2(4.0, 25.0)

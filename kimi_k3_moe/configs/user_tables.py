@@ -7,7 +7,7 @@ measured: the same device name, arch, driver/ROCm version and Triton major.minor
 version, for the exact layer shape, with every token tier it declares. Anything else (corrupt JSON, another device, another version, a
 missing tier) is refused with a one-line message and the packaged table serves.
 What an entry holds is the backend's business: each tabled backend declares a
-`TableKind` beside its own tables (configs/triton_table.py, kernels/flydsl/tiles.py)
+`TableKind` beside its own tables (kernels/triton/table.py, kernels/flydsl/tiles.py)
 and names it in its `BackendSpec`, so this module knows no backend.
 Plain Python: importing this imports no GPU toolkit.
 """

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 def merge_packaged(path: str, result: dict, identity: dict, activation) -> None:
     """The tuned entry, as just written to the user table, into a packaged table's running-Triton section."""
     from kimi_k3_moe.bench.env import run_info
-    from kimi_k3_moe.configs import triton_table as tt
+    from kimi_k3_moe.kernels.triton import table as tt
     from kimi_k3_moe.configs import user_tables
     user, _ = user_tables.load(tt.USER_TABLE, identity)
     entry = user["entries"][result["key"]]

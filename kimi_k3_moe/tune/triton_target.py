@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from kimi_k3_moe.configs import triton_table as tt
+from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton import tuning_space

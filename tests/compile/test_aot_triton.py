@@ -7,7 +7,7 @@ table on sm_90) and each section of it is judged under the Triton it was tuned w
 Triton too), the heuristic everywhere. The Makefile also runs it for sm_90 under the
 engines' users' Triton (3.8): every entry must compile there, and its spills are reported,
 failing only for entries tuned with that Triton (an entry served under another Triton is
-spill-checked at lookup, on the user's machine: configs/triton_table.py). The H200 table compiled for gfx942 and
+spill-checked at lookup, on the user's machine: kernels/triton/table.py). The H200 table compiled for gfx942 and
 gfx950 (a portability check: AMD devices never load it) must compile; its spills
 there are recorded and printed, not failed.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.configs import triton_table as tt
+from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.platform import SHARED_PER_BLOCK
 
 # the Makefile's second run (a table's own Triton) builds for that table's vendor only

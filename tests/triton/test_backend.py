@@ -15,7 +15,7 @@ import torch
 import triton_problems as P
 from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton.backend import TritonBackend

@@ -7,7 +7,7 @@ import torch
 import triton_problems as P
 from moe_helpers import SITU
 from kimi_k3_moe import settings
-from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton import alignment
 from kimi_k3_moe.weights.requant import requantize_experts

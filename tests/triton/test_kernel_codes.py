@@ -7,8 +7,8 @@ import pytest
 import triton.language as tl
 
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.configs import triton_table as tt
-from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
+from kimi_k3_moe.kernels.triton import table as tt
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.experts import INT4, MXFP4
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel, stage2_gemv_kernel

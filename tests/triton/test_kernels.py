@@ -127,7 +127,7 @@ def test_pdl_chains_every_launch_after_the_first():
     from dataclasses import replace
 
     from kimi_k3_moe.activation import ActivationSpec
-    from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
+    from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
     from kimi_k3_moe.kernels.triton import aot
     act = ActivationSpec.situv2(4.0, 25.0)
     ex = aot.meta_experts("mxfp4", 8, 256, 64)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kimi_k3_moe.configs import triton_table as tt
-from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
+from kimi_k3_moe.kernels.triton import table as tt
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 
 K3 = [(896, 3584, 384), (896, 3584, 192)]  # (E, H, I) per rank at TP8 and TP16
 FAR = [16384, 16385, 32768, 32769, 131072]

@@ -5,7 +5,7 @@ import torch
 
 from moe_helpers import random_experts, random_routing
 
-from kimi_k3_moe.configs.triton_table import KernelConfig, MoEConfig
+from kimi_k3_moe.kernels.triton.table import KernelConfig, MoEConfig
 from kimi_k3_moe.experts import Mxfp4Experts
 
 E, H, I, TOPK = 6, 128, 64, 3

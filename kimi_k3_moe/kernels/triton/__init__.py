@@ -34,7 +34,7 @@ def _runs_on(platform, weight_format):
     return False, f"the Triton kernels need an NVIDIA sm_{TRITON_MIN_SM}+ or AMD GPU, not {platform}"
 
 
-SPEC = BackendSpec("triton", __name__, _runs_on, user_table="kimi_k3_moe.configs.triton_table")
+SPEC = BackendSpec("triton", __name__, _runs_on, user_table="kimi_k3_moe.kernels.triton.table")
 
 
 def make_backend(**options):

@@ -21,8 +21,8 @@ import torch
 
 from kimi_k3_moe.act_quant import BF16, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.configs import triton_table
-from kimi_k3_moe.configs.triton_table import Lookup, MoEConfig
+from kimi_k3_moe.kernels.triton import table as triton_table
+from kimi_k3_moe.kernels.triton.table import Lookup, MoEConfig
 from kimi_k3_moe.experts import MXFP4, WeightFormat
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC

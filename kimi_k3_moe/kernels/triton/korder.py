@@ -1,8 +1,8 @@
-"""A stage config's K order (configs/triton_table.KOrder) as the aligned kernels' constexprs, and
+"""A stage config's K order (kernels/triton/table.KOrder) as the aligned kernels' constexprs, and
 the order in which each stage's activations must be stored for it."""
 from __future__ import annotations
 
-from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder
 from kimi_k3_moe.kernels.triton._details import constants as C
 
 CODES = {KOrder.WORDS: C.ORDER_WORDS, KOrder.INTERLEAVE: C.ORDER_INTERLEAVE, KOrder.PAIRS: C.ORDER_PAIRS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.configs.triton_table import KOrder, MoEConfig
+from kimi_k3_moe.kernels.triton.table import KOrder, MoEConfig
 from kimi_k3_moe.kernels.triton.alignment import align_launches, direct_pairs
 from kimi_k3_moe.kernels.triton.korder import stored_order
 from kimi_k3_moe.kernels.triton.launch import Launch, chain_dependents

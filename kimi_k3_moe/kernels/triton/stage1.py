@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec, UnsupportedActivationError
-from kimi_k3_moe.configs.triton_table import KernelConfig
+from kimi_k3_moe.kernels.triton.table import KernelConfig
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_k3_moe.configs.triton_table import KernelConfig
+from kimi_k3_moe.kernels.triton.table import KernelConfig
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage2_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.elementwise_kernels import cast_kernel, zero_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_kernel, topk_reduce_kernel

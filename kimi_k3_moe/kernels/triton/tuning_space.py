@@ -10,8 +10,8 @@ from dataclasses import replace
 from itertools import product
 
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.configs import triton_table as tt
-from kimi_k3_moe.configs.triton_table import KernelConfig, KOrder, MoEConfig
+from kimi_k3_moe.kernels.triton import table as tt
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 
 TIERS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 TOPK = 16
@@ -60,7 +60,7 @@ REGISTER_MARGIN = 250  # configs using more are treated as spilling (see tune_en
 QUICK = 4  # candidates per stage for the secondary entries (int4, TP16): the first ones of each list
 
 
-# row blocks of a main and a tail tile (MoEConfig.block_m, triton_table.row_tiles) for stage 1 at
+# row blocks of a main and a tail tile (MoEConfig.block_m, table.row_tiles) for stage 1 at
 # these tiers, where a TP8 or EP16 expert holds ~73 (4096) or ~292 (16384) rows; stage 2 is tried
 # on them (swapped) and on blocks of SPLIT_STAGE2_BLOCK_M rows of its own (MoEConfig.stage2_block_m)
 TAIL_BLOCKS = {4096: (96,), 16384: (160, 192)}

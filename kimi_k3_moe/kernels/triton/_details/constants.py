@@ -32,7 +32,7 @@ PATH_ALIGNED = 0     # the alignment's sorted pairs and block experts (any exper
 PATH_DIRECT = 1      # path "direct": block b is pair b alone, its expert read from topk_ids
 PATH_DIRECT_MAP = 2  # the same, the id taken through the expert map
 
-# configs/triton_table.KOrder as the aligned kernels' ORDER and OUT_ORDER (kernels/triton/korder.py)
+# kernels/triton/table.KOrder as the aligned kernels' ORDER and OUT_ORDER (kernels/triton/korder.py)
 ORDER_WORDS = 0
 ORDER_INTERLEAVE = 1
 ORDER_PAIRS = 2

@@ -13,7 +13,7 @@ tile is the larger operand and fills the MMA's M dimension.
 
 A row block is BLOCK_ROWS rows: a power-of-two main tile of BLOCK_M rows and, when TAIL_M > 0, a
 smaller power-of-two tail tile that takes a second dot on the same decoded weight tile. The kernels
-split BLOCK_ROWS as configs/triton_table.row_tiles does (its BLOCK_MS have one or two bits set: the
+split BLOCK_ROWS as kernels/triton/table.row_tiles does (its BLOCK_MS have one or two bits set: the
 tail is the lower one), so the config's block_m is one constexpr.
 Tiles must be powers of two, but an expert's rows need not be: at 4096 tokens TP8 an expert
 holds ~73 rows, which a 64 + 32 block covers in one decode with 24 % padding where one
