@@ -1,7 +1,7 @@
 """Tile configurations of the Triton MoE backend: tuned tables and a heuristic.
 
 A table (JSON under configs/tables/, one file per device, written by
-benchmarks/tune_triton.py) holds one section per Triton version (major.minor) the
+`kimi-k3-moe tune --packaged`, `merge_into_table`) holds one section per Triton version (major.minor) the
 entries were tuned under; each maps (weight format, shape E/N/K, token tier) to a
 `MoEConfig`. The running Triton's section serves. Without an entry there, the
 nearest version's entry serves only after the caller's check (the backend compiles
