@@ -110,19 +110,24 @@ def make_target(backend, shape, experts, activation, identity, args, tiers):
 
 
 def run_with_progress(target, activation, timer, budget_s, state, seed, device="cuda", clock=time.monotonic,
-                      routing=None):
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+                      routing=None, stream=None):
+    """The loop with a progress bar on a terminal; elsewhere (a log, a remote job) one flushed line per
+    candidate, because a live display prints nothing until it ends and a killed run would leave no trace."""
     from kimi_k3_moe.tune.loop import tune
+    stream = stream or sys.stdout
     start = clock()
+
+    def run(progress):
+        return tune(target, activation, timer, budget_s=budget_s, state_path=state, device=device, seed=seed,
+                    clock=clock, progress=progress, **({"routing": routing} if routing is not None else {}))
+    if not stream.isatty():
+        return run(lambda cand: print(f"tune {target.backend} [{clock() - start:6.0f} s of {budget_s:.0f}] "
+                                      f"{cand.label}", file=stream, flush=True))
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     with Progress(TextColumn("[bold]tune {task.fields[backend]}"), BarColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn()) as bar:
         task = bar.add_task("starting", total=budget_s, backend=target.backend)
-
-        def progress(cand):
-            bar.update(task, completed=min(budget_s, clock() - start), description=cand.label)
-        result = tune(target, activation, timer, budget_s=budget_s, state_path=state, device=device, seed=seed,
-                      clock=clock, progress=progress, **({"routing": routing} if routing is not None else {}))
+        result = run(lambda cand: bar.update(task, completed=min(budget_s, clock() - start), description=cand.label))
         bar.update(task, completed=budget_s, description="done")
     return result
 

@@ -211,3 +211,18 @@ def test_an_expert_parallel_slice_is_tuned_under_its_own_routing_and_keyed_by_it
     tiers = packaged["tritons"][identity["triton"]]["entries"][result["key"]]["tiers"]
     assert tt.MoEConfig.from_json(tiers["4"]) == tt.MoEConfig.from_json(
         user_tables.load(tt.USER_TABLE, identity)[0]["entries"][result["key"]]["tiers"]["4"])
+
+
+def test_off_a_terminal_each_candidate_is_one_flushed_line(tables, seed):
+    """A tune whose output goes to a log (a remote job, CI) shows its progress as it goes: one line
+    per candidate, not a live display that prints nothing until it ends."""
+    import io
+
+    from kimi_k3_moe.tune.command import run_with_progress
+    out = io.StringIO()
+    target = make_target(seed)
+    target._tiers = [1]
+    result = run_with_progress(target, SITU, FakeClock(fake_time), 1e9, tables / "p.json", seed, device="cpu",
+                               stream=out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == len(result["outcomes"]["1"]) and all(ln.startswith("tune triton [") for ln in lines), lines
