@@ -202,6 +202,13 @@ def clear_cache() -> None:
 
 
 # ---------------------------------------------------------------- writing
+def replace_file(path: Path, text: str) -> None:
+    """Write `text` to a temporary beside `path`, then rename it over `path`: a reader never sees half a table."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write(kind: TableKind, identity: dict, tiers: list[int], entries: dict, *, extra: dict | None = None,
           env=None) -> Path:
     """Write (replace) this device's user table for `kind.backend`; entries of other shapes are kept."""
@@ -218,8 +225,6 @@ def write(kind: TableKind, identity: dict, tiers: list[int], entries: dict, *, e
              "package_version": __version__, "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
              "tiers": list(tiers), "entries": {**old, **entries}, **(extra or {})}
     validate(table, kind=kind, identity=identity, path=path)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)  # atomic: a reader never sees half a table
+    replace_file(path, json.dumps(table, indent=1))
     _load.cache_clear()
     return path

@@ -296,9 +296,7 @@ def merge_into_table(path: Path, version: str, key: str, entry: dict, *, tuned_w
     for e in section["entries"].values():
         for cfg in e["tiers"].values():
             MoEConfig.from_json(cfg)  # a bad config fails here, not at a user's lookup
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1, default=str) + "\n")
-    tmp.replace(path)
+    user_tables.replace_file(path, json.dumps(table, indent=1, default=str) + "\n")
     load_table.cache_clear()
 
 

@@ -29,5 +29,5 @@ def weights_code(weight_format: str, decode: int, offsets: bool) -> int:
 
 def weights_of(code: int) -> tuple[str, int, bool]:
     """WEIGHTS code -> (format, decoder, offsets): weights_code's inverse."""
-    weight_format, decode, offsets = C.WEIGHTS[code]
-    return next(name for name, c in FMT_CODES.items() if c == weight_format), decode, offsets
+    fmt_code, decode, offsets = C.WEIGHTS[code]
+    return next(name for name, c in FMT_CODES.items() if c == fmt_code), decode, offsets
