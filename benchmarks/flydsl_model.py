@@ -185,6 +185,7 @@ def glue_ops(arch: str, tokens: int, reduce: str = "auto") -> list[tuple[str, in
     from kimi_k3_moe.kernels.flydsl import pipeline
     from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU
     from kimi_k3_moe.kernels.triton import launch as triton_launch
+    from kimi_k3_moe.kernels.triton.alignment import counters
 
     class Experts:   # what moe_forward reads of a prepared layer
         weight_format, has_offsets, num_experts, intermediate_size, hidden_size = FORMAT[arch], False, E, I, H
@@ -213,6 +214,7 @@ def glue_ops(arch: str, tokens: int, reduce: str = "auto") -> list[tuple[str, in
     hidden = torch.empty(tokens, H, dtype=torch.bfloat16, device="meta")
     weights = torch.empty(tokens, TOP_K, device="meta")
     ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="meta")
+    counters(torch.device("meta"), E)   # allocated once per process, not per forward
     run = triton_launch.Launch.__call__
     triton_launch.Launch.__call__ = lambda launch: ops.append((launch.label, size(list(launch.args.values()))))
     try:

@@ -140,19 +140,21 @@ class LaunchRecorder:
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
-@pytest.mark.parametrize("tokens", [1, 3, 16, 40])
-def test_a_forward_is_three_launches_direct_four_up_to_16_tokens_and_seven_above(gen, arch, tokens, monkeypatch):
+@pytest.mark.parametrize("tokens", [1, 3, 16, 40, 65])
+def test_a_forward_is_three_launches_direct_four_up_to_16_tokens_and_five_above(gen, arch, tokens, monkeypatch):
     prep = prepared_layer(gen, arch)
     x, tw, ids = random_routing(gen, tokens, E, K, H)
     x = x.to(torch.bfloat16)
-    assert relative_l2(emulate(prep, arch, x, tw, ids, SITU).float(),
-                       float_reference(prep, x.float(), tw, ids, SITU)) < REF_BOUND
+    # twice: the second forward finds the two-launch alignment's counters as the first left them
+    for _ in range(2):
+        assert relative_l2(emulate(prep, arch, x, tw, ids, SITU).float(),
+                           float_reference(prep, x.float(), tw, ids, SITU)) < REF_BOUND
     rec = LaunchRecorder(monkeypatch)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         pipeline.moe_forward(prep, x, tw, ids, SITU, None, arch=arch, launch=rec.flydsl)
     direct = tokens <= max(t["max_tokens"] for t in raw_tiers(arch) if t.get("direct"))
     want = ([] if direct else ["align.small"] if tokens * K <= 256 else
-            ["align.zero", "align.count", "align.offsets", "align.scatter"])
+            ["align.count", "align.scatter"])
     assert rec.labels[:len(want)] == want and len(rec.labels) == len(want) + 3, rec.labels
     assert rec.labels[-1] == "stage2.reduce"
     ops = {e.name for e in prof.events() if e.name.startswith("aten::")}

@@ -14,7 +14,7 @@ from kimi_k3_moe.weights.requant import requantize_experts
 
 DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, order=KOrder.STACKED),
                    KernelConfig(32, 32, 4, 2, order=KOrder.PAIRS, n_tiles=2), "bits")
-PATHS = {"gemv": P.GEMV, "direct": DIRECT, "aligned": P.ALIGNED, "aligned-4-launches": P.ALIGNED}
+PATHS = {"gemv": P.GEMV, "direct": DIRECT, "aligned": P.ALIGNED, "aligned-2-launches": P.ALIGNED}
 BAD = (P.E, 10**6, -5, 2**32 + 1)  # 2**32 + 1 narrowed to int32 would be 1, a real expert
 
 
@@ -46,7 +46,7 @@ def _bad_ids(ids, gen, num_ids):
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_bad_id_is_a_pair_of_another_rank(weight_format, path, problem, monkeypatch):
     monkeypatch.delenv(settings.CHECK_EXPERT_IDS, raising=False)
-    if path == "aligned-4-launches":
+    if path == "aligned-2-launches":
         monkeypatch.setattr(alignment, "SMALL_PAIRS", 0)
     backend, prepared = _backend_and_experts(problem, weight_format, path)
     gen = problem[2]
@@ -60,7 +60,7 @@ def test_a_bad_id_is_a_pair_of_another_rank(weight_format, path, problem, monkey
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_through_an_expert_map_ids_past_it_are_of_another_rank(path, problem, monkeypatch):
     monkeypatch.delenv(settings.CHECK_EXPERT_IDS, raising=False)
-    if path == "aligned-4-launches":
+    if path == "aligned-2-launches":
         monkeypatch.setattr(alignment, "SMALL_PAIRS", 0)
     ex, _, gen = problem
     backend = get_backend("triton", config=PATHS[path])

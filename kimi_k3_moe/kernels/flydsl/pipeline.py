@@ -2,9 +2,8 @@
 
 `moe_forward` picks the tiles, allocates the buffers and issues one forward's
 launches: three for a direct tier (stage 1, stage 2, the top-k sum), four for an
-aligned one up to 16 tokens (the alignment in one program first) and seven above
-(the alignment's four launches: one program looping over thousands of pairs took
-129 us at 1024 tokens on an H200 against 14 us for four), one more with
+aligned one up to 16 tokens (the alignment in one program first) and five above
+(the alignment's two: every pair's row waits for every expert's count), one more with
 quantized activations (the hidden rows are quantized first). No host
 synchronisation and no PyTorch arithmetic between them, so a forward is
 graph-capturable and its launches are exactly the kernels'. The FlyDSL stages go

@@ -10,9 +10,21 @@ from kimi_k3_moe.kernels.triton._details import align_kernels as K
 from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
 
 BLOCK = 256
-# up to this many pairs (16 tokens at top-16) one program aligns them in one launch instead of four
+# up to this many pairs (16 tokens at top-16) one program aligns them in one launch instead of two
 SMALL_PAIRS = 256
 SMALL_WARPS = 8
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def counters(device: torch.device, num_experts: int) -> torch.Tensor:
+    """The per-expert counters and the ticket of the two-launch alignment (int32 [E + 1]): zeroed
+    once here, left zero by every alignment's last program, so no launch clears them. One set per
+    device and expert count, kept for the process (a captured graph holds their address), shared by
+    the forwards on that device, which run one at a time in stream order."""
+    key = (str(device), num_experts)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 @dataclass
@@ -63,41 +75,35 @@ def direct_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, block_
 def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
                    block_ms: tuple[int, ...]) -> tuple[list[AlignedPairs], list[Launch]]:
     """The pairs aligned to each of one or two block sizes (an AlignedPairs each, in that order) and
-    the launches that do it: one up to SMALL_PAIRS pairs, else four; both block sizes share the
+    the launches that do it: one up to SMALL_PAIRS pairs, else two; both block sizes share the
     counts and each pair's slot."""
     if not 1 <= len(block_ms) <= 2:
         raise ValueError(f"alignment takes one or two block sizes, got {block_ms}")
     ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
     device = ids.device
-    scratch = torch.empty(2 * num_experts, dtype=torch.int32, device=device)
-    counts, fill = scratch[:num_experts], scratch[num_experts:]
     local = torch.empty(num_pairs, dtype=torch.int32, device=device)
     out = [_aligned_buffers(num_pairs, num_experts, bm, local) for bm in block_ms]
     num_ids = num_experts if expert_map is None else expert_map.numel()
     a, b = out[0], out[-1]
     two = len(out) == 2
     if num_pairs <= SMALL_PAIRS:
+        scratch = torch.empty(2 * num_experts, dtype=torch.int32, device=device)
+        counts, fill = scratch[:num_experts], scratch[num_experts:]
         return out, [_small_launch(ids, expert_map, num_ids, local, counts, fill, a, b, two)]
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     grid = (max(1, cdiv(num_pairs, BLOCK)),)
     launches = [
-        Launch(K.align_zero_kernel, (cdiv(scratch.numel(), 1024),),
-               dict(ptr=scratch, n=scratch.numel(), BLOCK=1024, PDL=False),
-               num_warps=4, num_stages=1, label="align.zero"),
         Launch(K.align_count_kernel, grid, dict(
-            ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local,
-            counts_ptr=counts, sorted_ptr=a.sorted_pairs, sorted_b_ptr=b.sorted_pairs,
-            block_expert_ptr=a.block_expert, block_expert_b_ptr=b.block_expert, num_pairs=num_pairs,
+            ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local, rank_ptr=rank,
+            counters_ptr=counters(device, num_experts), sorted_ptr=a.sorted_pairs, sorted_b_ptr=b.sorted_pairs,
+            block_expert_ptr=a.block_expert, block_expert_b_ptr=b.block_expert, offsets_ptr=a.offsets,
+            num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets, num_rows_b_ptr=b.num_rows, num_pairs=num_pairs,
             max_rows=a.max_rows, max_rows_b=b.max_rows, num_ids=num_ids, num_experts=num_experts,
             HAS_MAP=expert_map is not None, TWO=two, BLOCK=BLOCK, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m,
-            PDL=False), num_warps=4, num_stages=1, label="align.count"),
-        Launch(K.align_offsets_kernel, (1,), dict(
-            counts_ptr=counts, offsets_ptr=a.offsets, num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets,
-            num_rows_b_ptr=b.num_rows, num_experts=num_experts, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, TWO=two,
-            E_POW2=max(16, next_pow2(num_experts)), PDL=False),
-            num_warps=4, num_stages=1, label="align.offsets"),
+            E_POW2=max(16, next_pow2(num_experts)), PDL=False), num_warps=4, num_stages=1, label="align.count"),
         Launch(K.align_scatter_kernel, grid, dict(
-            local_ptr=local, fill_ptr=fill, offsets_ptr=a.offsets, sorted_ptr=a.sorted_pairs,
+            local_ptr=local, rank_ptr=rank, offsets_ptr=a.offsets, sorted_ptr=a.sorted_pairs,
             block_expert_ptr=a.block_expert, offsets_b_ptr=b.offsets, sorted_b_ptr=b.sorted_pairs,
             block_expert_b_ptr=b.block_expert, num_pairs=num_pairs, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m,
             TWO=two, BLOCK=BLOCK, PDL=False),

@@ -3,19 +3,19 @@ blocks of BLOCK_M rows, padding each expert's rows to a multiple of BLOCK_M; wit
 into blocks of BLOCK_M_B rows as well (stage 2's own row blocks), from the same counts
 and the same slot per pair.
 
-Four launches (one, align_small_kernel, for a small batch), no host synchronisation
+Two launches (one, align_small_kernel, for a small batch), no host synchronisation
 (grids are sized by upper bounds):
-  zero    clears the per-expert counters (a launch of its own, so a replayed
-          CUDA graph starts from zero every time);
   count   local expert of each pair (expert_map applied, -1 = not on this rank,
-          as is any id outside the range: _details/expert_ids.py),
-          per-expert counts (atomics), padding rows of `sorted_pairs` set to
-          the sentinel `num_pairs` and every block's expert to -1;
-  offsets one program: exclusive prefix sum of the padded counts -> each
-          expert's first row, and the total number of rows (per block size);
-  scatter each pair takes a slot in its expert (atomics hand out slots; the
-          order inside an expert does not change any row's result), so a row
-          in each block size's range, and writes the block -> expert maps.
+          as is any id outside the range: _details/expert_ids.py), its place
+          among its expert's rows (the per-expert counter's value before its
+          atomic add), padding rows of `sorted_pairs` set to the sentinel
+          `num_pairs` and every block's expert to -1; the program that takes
+          the last ticket (a counter after the experts') reads the final counts,
+          writes each expert's first row (exclusive prefix sum of the padded
+          counts) and the number of rows in use per block size, and zeroes the
+          counters and the ticket: they persist between forwards
+          (alignment.counters), zero whenever no forward is running;
+  scatter each pair's row in each block size's range, and the block -> expert maps.
 """
 import triton
 import triton.language as tl
@@ -24,18 +24,12 @@ from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 
 
-@triton.jit
-def align_zero_kernel(ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    enter(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < n)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "max_rows"])
-def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr, sorted_b_ptr, block_expert_ptr,
-                       block_expert_b_ptr, num_pairs, max_rows, max_rows_b, num_ids, num_experts,
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b"])
+def align_count_kernel(ids_ptr, map_ptr, local_ptr, rank_ptr, counters_ptr, sorted_ptr, sorted_b_ptr,
+                       block_expert_ptr, block_expert_b_ptr, offsets_ptr, num_rows_ptr, offsets_b_ptr,
+                       num_rows_b_ptr, num_pairs, max_rows, max_rows_b, num_ids, num_experts,
                        HAS_MAP: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_M_B: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_M_B: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -43,11 +37,27 @@ def align_count_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, sorted_ptr, sort
     valid = offs < num_pairs
     e = local_expert(tl.load(ids_ptr + offs, mask=valid, other=-1), map_ptr, num_ids, num_experts, HAS_MAP)
     tl.store(local_ptr + offs, e, mask=valid)
-    tl.atomic_add(counts_ptr + e, 1, mask=valid & (e >= 0))
+    ok = valid & (e >= 0)
+    # the count before this pair's is its place among its expert's rows (which place a pair takes
+    # changes no row's result); relaxed: the ticket's release orders them before the last program
+    # reads them, and an acq_rel atomic would wait for the one before it
+    tl.store(rank_ptr + offs, tl.atomic_add(counters_ptr + e, 1, mask=ok, sem="relaxed"), mask=ok)
     _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK, BLOCK_M)
     if TWO:
         _fill_unused(sorted_b_ptr, block_expert_b_ptr, max_rows_b, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK,
                      BLOCK_M_B)
+    tl.debug_barrier()  # every thread's counts are in before the program takes its ticket
+    ticket = tl.atomic_add(counters_ptr + num_experts, 1)
+    if ticket == nprog - 1:
+        # the last program: every count is final; read and cleared in one step, so the counters are
+        # zero again for the next forward (or graph replay) without a launch to clear them
+        x = tl.arange(0, E_POW2)
+        inside = x < num_experts
+        c = tl.where(inside, tl.atomic_xchg(counters_ptr + x, 0, mask=inside, sem="relaxed"), 0)
+        _first_rows(c, x, offsets_ptr, num_rows_ptr, num_experts, BLOCK_M)
+        if TWO:
+            _first_rows(c, x, offsets_b_ptr, num_rows_b_ptr, num_experts, BLOCK_M_B)
+        tl.atomic_xchg(counters_ptr + num_experts, 0, sem="relaxed")
 
 
 @triton.jit
@@ -70,20 +80,8 @@ def _first_rows(c, e, offsets_ptr, num_rows_ptr, num_experts, BLOCK_M: tl.conste
     tl.store(num_rows_ptr, tl.sum(padded, 0))
 
 
-@triton.jit
-def align_offsets_kernel(counts_ptr, offsets_ptr, num_rows_ptr, offsets_b_ptr, num_rows_b_ptr, num_experts,
-                         BLOCK_M: tl.constexpr, BLOCK_M_B: tl.constexpr, TWO: tl.constexpr, E_POW2: tl.constexpr,
-                         PDL: tl.constexpr):
-    enter(PDL)
-    e = tl.arange(0, E_POW2)
-    c = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
-    _first_rows(c, e, offsets_ptr, num_rows_ptr, num_experts, BLOCK_M)
-    if TWO:
-        _first_rows(c, e, offsets_b_ptr, num_rows_b_ptr, num_experts, BLOCK_M_B)
-
-
 @triton.jit(do_not_specialize=["num_pairs"])
-def align_scatter_kernel(local_ptr, fill_ptr, offsets_ptr, sorted_ptr, block_expert_ptr,
+def align_scatter_kernel(local_ptr, rank_ptr, offsets_ptr, sorted_ptr, block_expert_ptr,
                          offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, num_pairs,
                          BLOCK_M: tl.constexpr, BLOCK_M_B: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
@@ -92,7 +90,7 @@ def align_scatter_kernel(local_ptr, fill_ptr, offsets_ptr, sorted_ptr, block_exp
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(local_ptr + offs, mask=offs < num_pairs, other=-1)
     valid = e >= 0
-    slot = tl.atomic_add(fill_ptr + e, 1, mask=valid)
+    slot = tl.load(rank_ptr + offs, mask=valid, other=0)
     _place(offs, e, slot, valid, offsets_ptr, sorted_ptr, block_expert_ptr, BLOCK_M)
     if TWO:
         _place(offs, e, slot, valid, offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, BLOCK_M_B)
@@ -110,7 +108,7 @@ def _place(pair, e, slot, valid, offsets_ptr, sorted_ptr, block_expert_ptr, BLOC
 @triton.jit
 def _place_small(pair, e, slot, ok, counts, x, offsets_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_experts,
                  BLOCK_M: tl.constexpr):
-    """One block size of align_small_kernel: what align_offsets_kernel and align_scatter_kernel do."""
+    """One block size of align_small_kernel: what align_count_kernel's last program and align_scatter_kernel do."""
     _first_rows(counts, x, offsets_ptr, num_rows_ptr, num_experts, BLOCK_M)
     tl.debug_barrier()  # each expert's first row, stored by one thread, read by the threads of its pairs
     _place(pair, e, slot, ok, offsets_ptr, sorted_ptr, block_expert_ptr, BLOCK_M)
@@ -122,7 +120,7 @@ def align_small_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offset
                        num_pairs, max_rows, max_rows_b, num_ids, num_experts,
                        HAS_MAP: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_B: tl.constexpr,
                        BLOCK: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
-    """The four launches' work in one program, for at most BLOCK pairs: the launch boundaries
+    """The two launches' work in one program, for at most BLOCK pairs: the launch boundaries
     become barriers (the counters' atomics stay within the one CTA)."""
     enter(PDL)
     x = tl.arange(0, E_POW2)
