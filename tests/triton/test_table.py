@@ -330,13 +330,17 @@ def test_the_packaged_writer_merges_tiers_into_the_running_tritons_section_only(
                         tuned_with={"triton": "3.6.0"}, header=header)
     tt.merge_into_table(path, "3.8", key, {"tiers": {"1": cfg(16), "64": cfg(16), "4096": cfg(64)}},
                         tuned_with={"triton": "3.8.0"}, header=header)
-    tt.merge_into_table(path, "3.8", key, {"tiers": {"64": {**cfg(32), "us": 1.0}}},
+    # a run whose budget ran out before tier 4096: its untuned 4096 (the fallback it would serve)
+    # leaves the section's 4096 as it was, and fills a tier the section lacked
+    tt.merge_into_table(path, "3.8", key, {"tiers": {"64": {**cfg(32), "us": 1.0}, "4096": {**cfg(32), "tuned": False},
+                                                     "16384": {**cfg(32), "tuned": False}}},
                         tuned_with={"triton": "3.8.0", "run": 2}, header=header)
     table = json.loads(path.read_text())
     tt.check_table(table, str(path))
     s38 = table["tritons"]["3.8"]
-    assert list(s38["entries"][key]["tiers"]) == ["1", "64", "4096"] and s38["tiers"] == [1, 64, 4096]
+    assert list(s38["entries"][key]["tiers"]) == ["1", "64", "4096", "16384"] and s38["tiers"] == [1, 64, 4096, 16384]
     assert s38["entries"][key]["tiers"]["64"]["block_m"] == 32 and s38["tuned_with"]["run"] == 2
+    assert s38["entries"][key]["tiers"]["4096"]["block_m"] == 64 and s38["entries"][key]["tiers"]["16384"]["block_m"] == 32
     assert table["tritons"]["3.6"]["entries"][key]["tiers"]["64"]["block_m"] == 16
     bad = {"tiers": {"16": {**cfg(16), "stage1": {**cfg(16)["stage1"], "order": "zigzag"}}}}
     with pytest.raises(ValueError):

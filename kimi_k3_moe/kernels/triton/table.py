@@ -282,15 +282,17 @@ def merge_into_table(path: Path, version: str, key: str, entry: dict, *, tuned_w
     """The packaged tables' one writer (`kimi-k3-moe tune --packaged`): `entry`'s tiers replace the same
     tiers of `key` in the section of Triton `version`; that entry's other tiers, the section's other
     entries and the other sections stay. A tier left out would otherwise be served by its nearest
-    neighbour's config. `header` starts a new file; the result is checked before it replaces the old."""
+    neighbour's config. A tier the run did not tune (`tuned: false`: its budget ran out) fills a gap
+    only: it never replaces a config already there. `header` starts a new file; the result is
+    checked before it replaces the old."""
     path = Path(path)
     table = json.loads(path.read_text()) if path.is_file() else {**header, "format_version": TABLE_FORMAT,
                                                                     "tritons": {}}
     section = table["tritons"].setdefault(version, {"entries": {}})
     section["tuned_with"] = tuned_with
     old = section["entries"].get(key, {}).get("tiers", {})
-    section["entries"][key] = {**entry, "tiers": dict(sorted({**old, **entry["tiers"]}.items(),
-                                                              key=lambda kv: int(kv[0])))}
+    new = {t: cfg for t, cfg in entry["tiers"].items() if cfg.get("tuned", True) or t not in old}
+    section["entries"][key] = {**entry, "tiers": dict(sorted({**old, **new}.items(), key=lambda kv: int(kv[0])))}
     section["tiers"] = sorted({t for e in section["entries"].values() for t in tiers_of(e)})
     check_table(table, str(path))
     for e in section["entries"].values():

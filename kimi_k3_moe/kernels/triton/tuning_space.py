@@ -40,9 +40,10 @@ ALIGNED_S2 = [(64, 128, 4, 3, PAIRS), (128, 128, 8, 3, PAIRS), (64, 64, 4, 4, PA
               (128, 128, 8, 3, WORDS), (64, 64, 4, 4, INTERLEAVE), (256, 128, 8, 3, WORDS),
               (128, 128, 8, 3, INTERLEAVE), (128, 128, 4, 4, WORDS), (64, 128, 4, 3, WORDS)]
 # stage 2 with several N tiles per program (KernelConfig.n_tiles; the H200's winners at 4-1024 tokens),
-# tried up to TILES_MAX_TOKENS: above, the 128-row blocks measured slower with it
-ALIGNED_S2_TILES = [(64, 128, 4, 3, PAIRS, 8), (64, 128, 4, 3, PAIRS, 14), (64, 64, 4, 2, PAIRS, 4),
-                    (128, 128, 4, 2, WORDS, 4)]
+# tried up to TILES_MAX_TOKENS: above, the 128-row blocks measured slower with it. Not 128 x 128 x 4
+# tiles: no table entry took it, and under Triton 3.8 at EP16's I = 3072 its compile ran past 5
+# minutes, taking a whole tune's budget
+ALIGNED_S2_TILES = [(64, 128, 4, 3, PAIRS, 8), (64, 128, 4, 3, PAIRS, 14), (64, 64, 4, 2, PAIRS, 4)]
 TILES_MAX_TOKENS = 1024
 # the direct path (one pair per 16-row block, no alignment launches) at the GEMV tiers, with
 # programmatic dependent launch; the H200's winners at 1-16 tokens first
