@@ -25,6 +25,8 @@ from kimi_k3_moe.bench.timing import GraphTimer, copy_bandwidth_gbps, mxfp4_byte
 SHAPES = {  # per-rank MoE shapes of Kimi-K3 (K3_FACTS 1)
     "tp8": dict(num_experts=896, hidden=3584, inter=384),
     "tp16": dict(num_experts=896, hidden=3584, inter=192),
+    # EP16: the rank holds 56 of the 896 experts whole; routing is over all 896, through an expert map
+    "ep16": dict(num_experts=56, hidden=3584, inter=3072, routed_experts=896),
     "tiny": dict(num_experts=8, hidden=256, inter=64),  # CPU dry runs under TRITON_INTERPRET=1
 }
 

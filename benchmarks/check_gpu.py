@@ -1,7 +1,7 @@
 """Correctness of the Triton backend on a GPU, against the float64 reference.
 
-At K3's TP8 per-rank shape (H 3584, I 384, E 896, top-16), for each token
-count: fresh random weights, routing and activations; the output tensor (and
+At K3's TP8 per-rank shape (H 3584, I 384, E 896, top-16; or `--shape tp16`, or `ep16`: 56
+experts of 896 held, every forward through the expert map), for each token count: fresh random weights, routing and activations; the output tensor (and
 the allocator's free memory) poisoned with NaN before every run; relative L2
 error against the float64 reference over the weights the prepared form
 encodes; MXFP4 and int4; SiLU and SiTUv2 (and their results must differ);
@@ -125,7 +125,8 @@ def main() -> int:
     chk = Checker(args.out, {"info": info, "seed": args.seed, "tolerance": TOLERANCE, "shape": shape})
 
     sections = set(args.sections.split(","))
-    if "bf16" in sections and not bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens):
+    routed = shape.get("routed_experts", e)
+    if "bf16" in sections and not bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, routed):
         return 1
     if "validate" in sections:
         validation_checks(chk, dev, gen, e, h, i)
@@ -142,8 +143,13 @@ def json_dumps(obj) -> str:
 
 
 
-def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
-    """The bf16-activation checks (MXFP4 and int4, every path and decoder); False when unavailable."""
+def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, routed) -> bool:
+    """The bf16-activation checks (MXFP4 and int4, every path and decoder); False when unavailable.
+    With `routed` > e (an expert-parallel shape) the router picks among `routed` experts and this
+    rank holds the first e: every forward of the per-count checks and the graph check goes through
+    that expert map."""
+    from kimi_k3_moe.bench.data import expert_map_for
+    ep_map = expert_map_for(routed, e, dev) if routed != e else None
     experts = random_experts(e, h, i, dev, gen)
     backends = {"mxfp4": get_backend("triton", weight_format="mxfp4"),
                 "int4": get_backend("triton", weight_format="int4")}
@@ -219,7 +225,7 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
                 cfg = be.lookup(prepared[weight_format], t).config
                 for act in (SILU, SITU):
                     recipes.append(Recipe(weight_format, e, h, i, t, topk, (act.name, act.beta, act.linear_beta),
-                                          json_dumps(cfg.to_json())))
+                                          json_dumps(cfg.to_json()), expert_map=ep_map is not None))
     recipes.append(Recipe("int4", e, h, i, 64, topk, ("situv2", 4.0, 25.0),
                           json_dumps(get_backend("triton", weight_format="int4").lookup(prepared["int4"], 64)
                                      .config.to_json()), offsets=True))
@@ -231,23 +237,23 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
 
     for t in tokens:
         hidden = random_hidden(t, h, dev, gen)
-        weights, ids = random_routing(t, e, topk, dev, gen)
+        weights, ids = random_routing(t, routed, topk, dev, gen)
         for weight_format in ("mxfp4", "int4"):
             outs = {}
             for act in (SILU, SITU):
-                ref = reference(caches[weight_format], hidden, weights, ids, act)
+                ref = reference(caches[weight_format], hidden, weights, ids, act, ep_map)
                 for label, opts in variants(t):
                     be = get_backend("triton", weight_format=weight_format, **opts)
                     source = be.lookup(prepared[weight_format], t).source
                     try:
-                        out = run_once(be, prepared[weight_format], hidden, weights, ids, act)
+                        out = run_once(be, prepared[weight_format], hidden, weights, ids, act, ep_map)
                         err = relative_l2(out.float(), ref)
                         finite = bool(torch.isfinite(out).all())
                         chk.record(finite and err <= TOLERANCE, check="moe", tokens=t, weight_format=weight_format, act=act.name,
                                    variant=label, rel_l2=err, finite=finite, config=source)
                         outs[(act.name, label)] = out
                         if label == "default":
-                            again = run_once(be, prepared[weight_format], hidden, weights, ids, act)
+                            again = run_once(be, prepared[weight_format], hidden, weights, ids, act, ep_map)
                             chk.record(torch.equal(again, out), check="repeatable", tokens=t, weight_format=weight_format,
                                        act=act.name)
                     except Exception as exc:
@@ -304,13 +310,13 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens) -> bool:
     # CUDA graph capture and replay give the eager result (1-16 tokens: programmatic dependent launch).
     for t in ((1, 3, 16, 257) if dev == "cuda" else ()):
         hidden = random_hidden(t, h, dev, gen)
-        weights, ids = random_routing(t, e, topk, dev, gen)
+        weights, ids = random_routing(t, routed, topk, dev, gen)
         be = backends["mxfp4"]
-        eager = run_once(be, prepared["mxfp4"], hidden, weights, ids, SITU)
+        eager = run_once(be, prepared["mxfp4"], hidden, weights, ids, SITU, ep_map)
         out = torch.full_like(hidden, float("nan"))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            be.forward(prepared["mxfp4"], hidden, weights, ids, SITU, out=out)
+            be.forward(prepared["mxfp4"], hidden, weights, ids, SITU, ep_map, out=out)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
