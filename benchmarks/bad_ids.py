@@ -21,7 +21,7 @@ from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.weights.requant import requantize_experts
 
 SITU = ActivationSpec.situv2(4.0, 25.0)
-TOKENS = (1, 3, 64, 300)  # gemv and direct paths, one-launch alignment, four-launch alignment
+TOKENS = (1, 3, 64, 300)  # gemv and direct paths, one-launch alignment, two-launch alignment
 
 
 def bad_kinds(num_ids: int) -> list[tuple[str, int, torch.dtype]]:

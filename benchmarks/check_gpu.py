@@ -107,7 +107,7 @@ def main() -> int:
                     help="only the bad expert id cases (benchmarks/bad_ids.py), for compute-sanitizer memcheck; "
                          "one line per case, exit 1 if any fails")
     ap.add_argument("--sanitize-tokens", default="1,3,64,300",
-                    help="token counts of --sanitize (default: gemv and direct paths, one- and four-launch alignment)")
+                    help="token counts of --sanitize (default: gemv and direct paths, one- and two-launch alignment)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     topk = args.topk
@@ -268,7 +268,7 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, routed) -> bool:
                                rel_diff=diff)
 
     # Expert parallelism: odd experts live on another rank (3 tokens: the table's small-batch path;
-    # 16 tokens and "aligned" at 3: the one-launch alignment; 64: the four-launch one).
+    # 16 tokens and "aligned" at 3: the one-launch alignment; 64: the two-launch one).
     emap = torch.arange(e, device=dev, dtype=torch.int32)
     emap[1::2] = -1
     for t, label, opts in ((3, "default", {}), (16, "default", {}), (64, "default", {}),
