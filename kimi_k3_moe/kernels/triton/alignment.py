@@ -13,15 +13,17 @@ BLOCK = 256
 # up to this many pairs (16 tokens at top-16) one program aligns them in one launch instead of two
 SMALL_PAIRS = 256
 SMALL_WARPS = 8
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[str, int, int], torch.Tensor] = {}
 
 
 def counters(device: torch.device, num_experts: int) -> torch.Tensor:
     """The per-expert counters and the ticket of the two-launch alignment (int32 [E + 1]): zeroed
     once here, left zero by every alignment's last program, so no launch clears them. One set per
-    device and expert count, kept for the process (a captured graph holds their address), shared by
-    the forwards on that device, which run one at a time in stream order."""
-    key = (str(device), num_experts)
+    device, stream and expert count, kept for the process (a captured graph holds their address):
+    forwards on one stream run one after another, and two streams never share a set."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), num_experts, stream)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
     return _COUNTERS[key]
