@@ -98,9 +98,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--topk", type=int, default=16)
-    ap.add_argument("--sections", default="bf16,validate",
-                    help="comma list: bf16 (MXFP4 and int4, bf16 activations, every path), int4-methods (int4 conversions --int4-methods), validate "
-                         "(load-time scale scan on the GPU: NaN/overflow bytes refused, its cost)")
+    ap.add_argument("--sections", default="bf16,align,validate",
+                    help="comma list: bf16 (MXFP4 and int4, bf16 activations, every path), align (the alignment "
+                         "replayed over fresh routing against a PyTorch count), int4-methods (int4 conversions "
+                         "--int4-methods), validate (load-time scale scan on the GPU: NaN/overflow bytes refused, its cost)")
     ap.add_argument("--int4-methods", default="search,asym")
     ap.add_argument("--int4-tokens", default="3,64,1024")
     ap.add_argument("--sanitize", action="store_true",
@@ -128,6 +129,8 @@ def main() -> int:
     routed = shape.get("routed_experts", e)
     if "bf16" in sections and not bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, routed):
         return 1
+    if "align" in sections:
+        alignment_checks(chk, dev, gen, shape.get("routed_experts", e), e, topk, tokens)
     if "validate" in sections:
         validation_checks(chk, dev, gen, e, h, i)
     if "int4-methods" in sections:
@@ -323,6 +326,65 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, routed) -> bool:
         chk.record(torch.equal(out, eager), check="cuda_graph", tokens=t)
 
     return True
+
+
+def alignment_checks(chk, dev, gen, routed, e, topk, tokens, replays: int = 30) -> None:
+    """The alignment alone (both block sizes of a split stage 2), eager and as a graph replayed over
+    fresh uniform and skewed routing, against a PyTorch count of every expert's rows; above 256 pairs
+    its counters must be zero again after every run (they persist between forwards)."""
+    from kimi_k3_moe.bench.data import expert_map_for
+    from kimi_k3_moe.kernels.triton import alignment
+    emap = expert_map_for(routed, e, dev) if routed != e else None
+    for t in tokens:
+        for skew in (0.0, 2.0):
+            bias = torch.randn(routed, device=dev, generator=gen) * skew
+
+            def fresh_ids():
+                logits = torch.randn(t, routed, device=dev, generator=gen) + bias
+                return logits.topk(topk, dim=1).indices.to(torch.int32)
+            ids = fresh_ids()
+            aligned, launches = alignment.align_launches(ids, emap, e, (16, 64))
+            graph = None
+            if dev == "cuda":
+                for launch in launches:  # compiled outside the capture
+                    launch()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for launch in launches:
+                        launch()
+            bad = 0
+            for rep in range(replays):
+                ids.copy_(fresh_ids())
+                if graph is not None and rep % 2:
+                    graph.replay()
+                else:
+                    for launch in launches:
+                        launch()
+                local = ids.reshape(-1).long() if emap is None else emap[ids.reshape(-1).long()].long()
+                bad += sum(not _aligned_ok(x, local, e) for x in aligned)
+            counters = alignment.counters(torch.device(dev), e) if ids.numel() > alignment.SMALL_PAIRS else None
+            chk.record(bad == 0 and (counters is None or not counters.any()), check="alignment", tokens=t,
+                       skew=skew, runs=replays, wrong=bad)
+
+
+def _aligned_ok(x, local, num_experts) -> bool:
+    """Each expert's rows start at the padded prefix sum of the counts; every pair on this rank sits
+    in exactly one row of a block of its expert; the rows past num_rows are padding."""
+    if x.sorted_pairs.is_cuda:
+        torch.cuda.synchronize()
+    mine = local >= 0
+    counts = torch.bincount(local[mine], minlength=num_experts)
+    padded = (counts + x.block_m - 1) // x.block_m * x.block_m
+    num_rows = int(x.num_rows)
+    if not torch.equal(x.offsets.long(), torch.cumsum(padded, 0) - padded) or num_rows != int(padded.sum()):
+        return False
+    rows = x.sorted_pairs[:num_rows].long()
+    real = rows < local.numel()
+    if not torch.equal(torch.sort(rows[real]).values, torch.nonzero(mine).flatten()):
+        return False
+    block_of = torch.arange(num_rows, device=rows.device) // x.block_m
+    return torch.equal(local[rows[real]], x.block_expert[block_of[real]].long()) and \
+        bool((x.sorted_pairs[num_rows:] == local.numel()).all())
 
 
 def int4_method_checks(chk, dev, gen, e, h, i, topk, tokens, methods, workers) -> None:
