@@ -37,7 +37,6 @@ PATH_DIRECT = 1      # path "direct": block b is pair b alone, its expert read f
 PATH_DIRECT_MAP = 2  # the same, the id taken through the expert map
 
 
-
 class KOrder(str, Enum):
     """The K order in which an aligned (or direct) stage reads its activations and decodes its weights.
     The GEMV stages read word order of their own block_k whatever this says.

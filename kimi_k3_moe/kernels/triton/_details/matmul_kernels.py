@@ -32,7 +32,7 @@ from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
-# ORDER / OUT_ORDER (C.KOrder's codes, via korder.py): the K step helpers below take words, interleave, or any
+# ORDER / OUT_ORDER (kernels/triton/korder.py): the K step helpers below take words, interleave, or any
 # other order as pairs (stacked and plain-inter are pair order with another tile or load)
 ORDER_WORDS = tl.constexpr(C.ORDER_WORDS)
 ORDER_INTERLEAVE = tl.constexpr(C.ORDER_INTERLEAVE)
