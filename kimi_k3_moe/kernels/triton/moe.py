@@ -6,7 +6,6 @@ import torch
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.triton.table import KOrder, MoEConfig
 from kimi_k3_moe.kernels.triton.alignment import align_launches, direct_pairs
-from kimi_k3_moe.kernels.triton.korder import stored_order
 from kimi_k3_moe.kernels.triton.launch import Launch, chain_dependents
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, word_order
@@ -41,7 +40,7 @@ def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, o
         (pairs, *rest), launches = align_launches(topk_ids, expert_map, experts.num_experts, block_ms)
         pairs2 = rest[0] if rest else pairs
     x = hidden
-    stored = stored_order(s1_cfg)  # stage 1 reads hidden from memory in that order
+    stored = s1_cfg.order.stored_order  # stage 1 reads hidden from memory in that order
     if stored == KOrder.PAIRS:
         x, permute = pair_order(hidden)
         launches.append(permute)

@@ -82,7 +82,7 @@ def pair_order(hidden: torch.Tensor, block_t: int = 16, block_k: int = 512) -> t
 def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
                    activation: ActivationSpec, cfg: KernelConfig, decode: str,
                    stage2: KernelConfig) -> tuple[torch.Tensor, Launch]:
-    """`hidden` must already be in the order cfg reads (korder.stored_order); inter comes out in
+    """`hidden` must already be in the order cfg reads (KOrder.stored_order); inter comes out in
     the order `stage2` (stage 2's config) reads."""
     inter_size = experts.intermediate_size
     inter = torch.empty(pairs.num_pairs, inter_size, dtype=torch.bfloat16, device=hidden.device)  # per pair

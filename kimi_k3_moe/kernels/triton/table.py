@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from enum import Enum
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.configs.user_tables import device_key  # noqa: F401  (the packaged tables' file names)
 from kimi_k3_moe.configs.user_tables import triton_version
+from kimi_k3_moe.kernels.triton._details.constants import KOrder  # its home (with each order's code); imported from here too
 
 PATHS = ("gemv", "aligned", "direct")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
@@ -44,27 +44,6 @@ def row_tiles(block_m: int) -> tuple[int, int]:
     """block_m -> (main, tail) tile rows, each a power of two (tail 0 for a power-of-two block)."""
     main = 1 << (block_m.bit_length() - 1)
     return main, block_m - main
-
-
-class KOrder(str, Enum):
-    """The K order in which an aligned (or direct) stage reads its activations and decodes its weights.
-    The GEMV stages read word order of their own block_k whatever this says."""
-
-    WORDS = "words"  # activations in word order of block_k tiles (K = 8c + j): eight dots per K step
-    INTERLEAVE = "interleave"  # activations in plain order, weights regrouped in registers: two dots per K step
-    PAIRS = "pairs"  # activations and weights in pair order (decode.pair_order): one dot per K step
-    # pairs, stage 1's gate and up rows stacked in one [2 x block_n] tile, one dot per K step (with 8
-    # warps each warpgroup holds one of them: half the accumulator registers per thread)
-    STACKED = "stacked"
-    # pairs, stage 2 with n_tiles > 1: inter is read in plain order (stage 1 stores it so) and each K
-    # step is swapped into pair order in registers, once per program for all its tiles (stage 1's
-    # epilogue then skips that swap)
-    PLAIN_INTER = "plain-inter"
-
-    @property
-    def pairs(self) -> bool:
-        """One dot per K step on the pair order."""
-        return self in (KOrder.PAIRS, KOrder.STACKED, KOrder.PLAIN_INTER)
 
 
 def parse_order(value, what: str = "order") -> KOrder:
@@ -119,14 +98,12 @@ class KernelConfig:
             raise ValueError(f"{what}.block_n = {self.block_n} must be >= {min_block_n}")
         if self.block_k < 32 or k % self.block_k:
             raise ValueError(f"{what}.block_k = {self.block_k} must be >= 32 and divide K = {k}")
-        if self.order == KOrder.WORDS and self.block_k < 128:
-            raise ValueError(f"{what}: order 'words' needs block_k >= 128 (8 dots of block_k/8 >= 16)")
         if self.num_stages < 1:
             raise ValueError(f"{what}.num_stages = {self.num_stages} must be >= 1")
         if self.n_tiles < 1:
             raise ValueError(f"{what}.n_tiles = {self.n_tiles} must be >= 1")
-        if self.order == KOrder.PLAIN_INTER and self.n_tiles == 1:
-            raise ValueError(f"{what}: order 'plain-inter' needs n_tiles > 1 (the swap is done once per program)")
+        if why := self.order.misfit(self.block_k, self.n_tiles):
+            raise ValueError(f"{what}: {why}")
 
     def to_json(self) -> dict:
         return {**asdict(self), "order": self.order.value}
@@ -194,8 +171,9 @@ class MoEConfig:
         min_n = 2 if self.path == "gemv" else 16  # tl.dot needs 16; the FMA path does not
         self.stage1.validate(hidden, "stage1", min_n)
         self.stage2.validate(inter, "stage2", min_n)
-        if self.stage2.order == KOrder.STACKED:
-            raise ValueError("stage2: order 'stacked' is stage 1's (stage 2 has no gate and up rows)")
+        for n, stage in ((1, self.stage1), (2, self.stage2)):
+            if why := stage.order.misfit(stage.block_k, stage.n_tiles, n):
+                raise ValueError(f"stage{n}: {why}")
         if self.stage1.n_tiles != 1 or (self.path == "gemv" and self.stage2.n_tiles != 1):
             raise ValueError("n_tiles: only the aligned stage 2 takes several N tiles per program")
         return self

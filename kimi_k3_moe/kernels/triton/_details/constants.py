@@ -1,4 +1,8 @@
-"""Integer codes for the kernels' constexpr switches (shared by launchers and kernels)."""
+"""Integer codes for the kernels' constexpr switches (shared by launchers and kernels), and the K
+orders (KOrder) with theirs. Plain Python: table.py imports it without triton."""
+from __future__ import annotations
+
+from enum import Enum
 
 FMT_MXFP4 = 0
 FMT_INT4 = 1
@@ -32,12 +36,59 @@ PATH_ALIGNED = 0     # the alignment's sorted pairs and block experts (any exper
 PATH_DIRECT = 1      # path "direct": block b is pair b alone, its expert read from topk_ids
 PATH_DIRECT_MAP = 2  # the same, the id taken through the expert map
 
-# kernels/triton/table.KOrder as the aligned kernels' ORDER and OUT_ORDER (kernels/triton/korder.py)
-ORDER_WORDS = 0
-ORDER_INTERLEAVE = 1
-ORDER_PAIRS = 2
-ORDER_STACKED = 3
-ORDER_PLAIN_INTER = 4
+
+class KOrder(str, Enum):
+    """The K order in which an aligned (or direct) stage reads its activations and decodes its weights.
+    The GEMV stages read word order of their own block_k whatever this says.
+
+    A member is (its table name, its `code`: the aligned kernels' ORDER and OUT_ORDER, `stored_order`:
+    the order it reads its activations from memory in, `pairs`: one dot per K step on the pair order).
+    Everything else (kernels/triton/korder.py, table.py) is derived from these, so a new order is this
+    member and its ORDER_ name below, its branches in matmul_kernels.py, and its tuning candidates."""
+
+    # activations in word order of block_k tiles (K = 8c + j): eight dots per K step
+    WORDS = "words", 0, "words", False
+    # activations in plain order, weights regrouped in registers: two dots per K step
+    INTERLEAVE = "interleave", 1, "interleave", False
+    # activations and weights in pair order (decode.pair_order): one dot per K step
+    PAIRS = "pairs", 2, "pairs", True
+    # pairs, stage 1's gate and up rows stacked in one [2 x block_n] tile, one dot per K step (with 8
+    # warps each warpgroup holds one of them: half the accumulator registers per thread)
+    STACKED = "stacked", 3, "pairs", True
+    # pairs, stage 2 with n_tiles > 1: inter is read in plain order (stage 1 stores it so) and each K
+    # step is swapped into pair order in registers, once per program for all its tiles (stage 1's
+    # epilogue then skips that swap)
+    PLAIN_INTER = "plain-inter", 4, "interleave", True
+
+    def __new__(cls, value: str, code: int, stored: str, pairs: bool):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.code, member._stored, member.pairs = code, stored, pairs
+        return member
+
+    @property
+    def stored_order(self) -> "KOrder":
+        """WORDS (word order of the config's block_k tiles), PAIRS, or INTERLEAVE for the plain order."""
+        return KOrder(self._stored)
+
+    def misfit(self, block_k: int, n_tiles: int, stage: int | None = None) -> str | None:
+        """Why a stage config of this order cannot run with these tiles (on stage 1 or 2 when `stage`
+        is given), or None. Plain-inter needs no stage rule: n_tiles > 1 is stage 2's alone."""
+        if self is KOrder.WORDS and block_k < 128:
+            return "order 'words' needs block_k >= 128 (8 dots of block_k/8 >= 16)"
+        if self is KOrder.PLAIN_INTER and n_tiles == 1:
+            return "order 'plain-inter' needs n_tiles > 1 (the swap is done once per program)"
+        if self is KOrder.STACKED and stage == 2:
+            return "order 'stacked' is stage 1's (stage 2 has no gate and up rows)"
+        return None
+
+
+# the names the kernels compare ORDER and OUT_ORDER with (matmul_kernels.py)
+ORDER_WORDS = KOrder.WORDS.code
+ORDER_INTERLEAVE = KOrder.INTERLEAVE.code
+ORDER_PAIRS = KOrder.PAIRS.code
+ORDER_STACKED = KOrder.STACKED.code
+ORDER_PLAIN_INTER = KOrder.PLAIN_INTER.code
 
 # MXFP4 word layout (layout.py writes it, decode.py reads it): bit of the lowest magnitude bit and
 # of the sign of element v0..v7. Pair j = (v2j, v2j+1) must end as two bf16 halves with the
