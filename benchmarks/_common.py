@@ -84,6 +84,7 @@ class Recipe:
     config: str         # MoEConfig as JSON
     offsets: bool = False
     expert_map: bool = False
+    map_size: int = 0   # the map's length (the experts routed over); 0: num_experts
 
 
 def _build_plan(recipe: Recipe, device="cuda"):
@@ -107,7 +108,7 @@ def _build_plan(recipe: Recipe, device="cuda"):
     hidden = torch.empty(t, h, dtype=torch.bfloat16, device=device)
     ids = torch.zeros(t, recipe.topk, dtype=torch.int32, device=device)
     weights = torch.empty(t, recipe.topk, dtype=torch.float32, device=device)
-    emap = torch.zeros(e, dtype=torch.int32, device=device) if recipe.expert_map else None
+    emap = torch.zeros(recipe.map_size or e, dtype=torch.int32, device=device) if recipe.expert_map else None
     act = ActivationSpec(*recipe.act)
     cfg = MoEConfig.from_json(json.loads(recipe.config))
     return plan_moe(experts, hidden, weights, ids, act, emap, torch.empty_like(hidden), cfg)

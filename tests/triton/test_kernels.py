@@ -74,6 +74,34 @@ def test_alignment_groups_every_pair_once(with_map, block_ms, small, gen, monkey
         assert slots[0] == slots[1]
 
 
+def test_dirty_counters_give_wrong_rows_but_no_write_outside(gen, monkeypatch):
+    """Counters a stopped forward left non-zero (the ticket never reaching the last program, so the
+    first rows are never written): the placing launch keeps every row inside the buffers."""
+    monkeypatch.setattr(alignment, "SMALL_PAIRS", 0)
+    monkeypatch.setattr(alignment, "BLOCK", 16)
+    e = 7
+    _, ids = _data.routing(gen, 37, e, 3)
+    (pairs,), launches = alignment.align_launches(ids, None, e, (16,))
+    state = alignment.counters(ids.device, e)
+    try:
+        state[-1] = 1000                          # the ticket: no program is the last one
+        pairs.offsets.fill_(2**30)                # first rows far past the buffer
+        for launch in launches:
+            launch()
+        assert torch.all(pairs.sorted_pairs == ids.numel())   # nothing placed, nothing outside
+    finally:
+        state.zero_()
+
+
+def test_the_backend_makes_the_counters_when_it_prepares_a_layer(gen):
+    """Made at load, eagerly: made first inside a graph capture their zeroing would belong to that graph."""
+    from kimi_k3_moe.kernels import get_backend
+    ex = _data.experts(gen, e=5, h=256, i=32)
+    alignment._COUNTERS.pop((str(ex.device), 5), None)
+    get_backend("triton").prepare(ex)
+    assert not alignment._COUNTERS[(str(ex.device), 5)].any()
+
+
 def _slots(pairs, num_pairs):
     rows = pairs.sorted_pairs[:int(pairs.num_rows.item())].tolist()
     return {p: r - pairs.offsets[pairs.local[p]].item() for r, p in enumerate(rows) if p < num_pairs}

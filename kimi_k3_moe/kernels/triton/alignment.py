@@ -13,18 +13,24 @@ BLOCK = 256
 # up to this many pairs (16 tokens at top-16) one program aligns them in one launch instead of two
 SMALL_PAIRS = 256
 SMALL_WARPS = 8
-_COUNTERS: dict[tuple[str, int, int], torch.Tensor] = {}
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 
-def counters(device: torch.device, num_experts: int) -> torch.Tensor:
+def counters(device: torch.device | str, num_experts: int) -> torch.Tensor:
     """The per-expert counters and the ticket of the two-launch alignment (int32 [E + 1]): zeroed
     once here, left zero by every alignment's last program, so no launch clears them. One set per
-    device, stream and expert count, kept for the process (a captured graph holds their address):
-    forwards on one stream run one after another, and two streams never share a set."""
+    device and expert count, kept for the process (a captured graph holds their address), shared by
+    the forwards on that device, which run one after another. The backends make them when they
+    prepare a layer: made inside a graph capture, their zeroing would run only when that one graph
+    replays, so that is refused."""
     device = torch.device(device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), num_experts, stream)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), num_experts)
     if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the alignment's counters for {device} and {num_experts} experts do not exist "
+                               "yet: prepare the experts (or run one forward) before capturing a graph")
         _COUNTERS[key] = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
     return _COUNTERS[key]
 
@@ -107,8 +113,8 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
         Launch(K.align_scatter_kernel, grid, dict(
             local_ptr=local, rank_ptr=rank, offsets_ptr=a.offsets, sorted_ptr=a.sorted_pairs,
             block_expert_ptr=a.block_expert, offsets_b_ptr=b.offsets, sorted_b_ptr=b.sorted_pairs,
-            block_expert_b_ptr=b.block_expert, num_pairs=num_pairs, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m,
-            TWO=two, BLOCK=BLOCK, PDL=False),
+            block_expert_b_ptr=b.block_expert, num_pairs=num_pairs, max_rows=a.max_rows, max_rows_b=b.max_rows,
+            BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, TWO=two, BLOCK=BLOCK, PDL=False),
             num_warps=4, num_stages=1, label="align.scatter"),
     ]
     return out, launches

@@ -21,7 +21,7 @@ import torch
 
 from kimi_k3_moe.act_quant import BF16, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.triton import table as triton_table
+from kimi_k3_moe.kernels.triton import alignment, table as triton_table
 from kimi_k3_moe.kernels.triton.table import Lookup, MoEConfig
 from kimi_k3_moe.experts import MXFP4, WeightFormat
 from kimi_k3_moe.formats import int4
@@ -111,6 +111,11 @@ class TritonBackend(MoEBackend):
         return triton_table.device_key(name), not is_rocm()
 
     # -- weights --------------------------------------------------------
+    def prepare(self, experts) -> TritonExperts:
+        prepared = super().prepare(experts)
+        alignment.counters(prepared.device, prepared.num_experts)  # at load: never first inside a graph capture
+        return prepared
+
     def lay_out(self, experts) -> TritonExperts:
         """MXFP4 or int4 experts -> the kernels' word layout."""
         prepared = TritonExperts.from_experts(experts)

@@ -40,7 +40,9 @@ def align_count_kernel(ids_ptr, map_ptr, local_ptr, rank_ptr, counters_ptr, sort
     ok = valid & (e >= 0)
     # the count before this pair's is its place among its expert's rows (which place a pair takes
     # changes no row's result); relaxed: the ticket's release orders them before the last program
-    # reads them, and an acq_rel atomic would wait for the one before it
+    # reads them, and an acq_rel atomic would wait for the one before it. Storing the returned
+    # value keeps each add complete before the barrier below (an add whose result went unused
+    # could still be in flight there on AMD)
     tl.store(rank_ptr + offs, tl.atomic_add(counters_ptr + e, 1, mask=ok, sem="relaxed"), mask=ok)
     _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK, BLOCK_M)
     if TWO:
@@ -80,9 +82,9 @@ def _first_rows(c, e, offsets_ptr, num_rows_ptr, num_experts, BLOCK_M: tl.conste
     tl.store(num_rows_ptr, tl.sum(padded, 0))
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b"])
 def align_scatter_kernel(local_ptr, rank_ptr, offsets_ptr, sorted_ptr, block_expert_ptr,
-                         offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, num_pairs,
+                         offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, num_pairs, max_rows, max_rows_b,
                          BLOCK_M: tl.constexpr, BLOCK_M_B: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     enter(PDL)
@@ -91,14 +93,16 @@ def align_scatter_kernel(local_ptr, rank_ptr, offsets_ptr, sorted_ptr, block_exp
     e = tl.load(local_ptr + offs, mask=offs < num_pairs, other=-1)
     valid = e >= 0
     slot = tl.load(rank_ptr + offs, mask=valid, other=0)
-    _place(offs, e, slot, valid, offsets_ptr, sorted_ptr, block_expert_ptr, BLOCK_M)
+    _place(offs, e, slot, valid, offsets_ptr, sorted_ptr, block_expert_ptr, max_rows, BLOCK_M)
     if TWO:
-        _place(offs, e, slot, valid, offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, BLOCK_M_B)
+        _place(offs, e, slot, valid, offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, max_rows_b, BLOCK_M_B)
 
 
 @triton.jit
-def _place(pair, e, slot, valid, offsets_ptr, sorted_ptr, block_expert_ptr, BLOCK_M: tl.constexpr):
+def _place(pair, e, slot, valid, offsets_ptr, sorted_ptr, block_expert_ptr, max_rows, BLOCK_M: tl.constexpr):
     row = tl.load(offsets_ptr + e, mask=valid, other=0) + slot
+    # counters left dirty (a forward stopped mid-launch) give wrong rows, never a write outside
+    valid = valid & (row >= 0) & (row < max_rows)
     tl.store(sorted_ptr + row, pair, mask=valid)
     # every block of an expert's range holds at least one real pair, so the
     # pairs alone cover every block that exists (benign same-value writes)
@@ -107,11 +111,11 @@ def _place(pair, e, slot, valid, offsets_ptr, sorted_ptr, block_expert_ptr, BLOC
 
 @triton.jit
 def _place_small(pair, e, slot, ok, counts, x, offsets_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr, num_experts,
-                 BLOCK_M: tl.constexpr):
+                 max_rows, BLOCK_M: tl.constexpr):
     """One block size of align_small_kernel: what align_count_kernel's last program and align_scatter_kernel do."""
     _first_rows(counts, x, offsets_ptr, num_rows_ptr, num_experts, BLOCK_M)
     tl.debug_barrier()  # each expert's first row, stored by one thread, read by the threads of its pairs
-    _place(pair, e, slot, ok, offsets_ptr, sorted_ptr, block_expert_ptr, BLOCK_M)
+    _place(pair, e, slot, ok, offsets_ptr, sorted_ptr, block_expert_ptr, max_rows, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b"])
@@ -141,8 +145,8 @@ def align_small_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offset
     tl.debug_barrier()  # every count complete before it is read
     counts = tl.load(counts_ptr + x, mask=x < num_experts, other=0, cache_modifier=".cg")
     _place_small(pair, e, slot, ok, counts, x, offsets_ptr, sorted_ptr, block_expert_ptr, num_rows_ptr,
-                 num_experts, BLOCK_M)
+                 num_experts, max_rows, BLOCK_M)
     if TWO:
         _place_small(pair, e, slot, ok, counts, x, offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, num_rows_b_ptr,
-                     num_experts, BLOCK_M_B)
+                     num_experts, max_rows_b, BLOCK_M_B)
 
