@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+import math
 from importlib import resources
 
 import pytest
@@ -240,8 +241,10 @@ def test_wrong_indices_are_caught(gen, monkeypatch, act_dtype, name, wrong):
     except emulator.EmulatorError as exc:
         print(f"{name}: emulator refused ({exc})")
         return
-    print(f"{name}: relative L2 {relative_l2(bad, good):.2e} from the right result")
-    assert relative_l2(bad, good) > 10 * FAITHFUL_BOUND[act_dtype]
+    err = relative_l2(bad, good)
+    print(f"{name}: relative L2 {err:.2e} from the right result")
+    # a scale read from the wrong place can be any byte, so the output can overflow: also caught
+    assert not math.isfinite(err) or err > 10 * FAITHFUL_BOUND[act_dtype]
 
 
 def test_decoded_codes_are_compared_never_packed_bytes():
