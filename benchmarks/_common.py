@@ -18,7 +18,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from kimi_k3_moe.bench.data import random_experts, random_hidden, random_routing  # noqa: E402,F401
+from kimi_k3_moe.bench.data import expert_map_for, random_experts, random_hidden, random_routing  # noqa: E402,F401
 from kimi_k3_moe.bench.shapes import K3_TOPK  # noqa: E402,F401
 from kimi_k3_moe.bench.timing import GraphTimer, copy_bandwidth_gbps, mxfp4_bytes_per_expert  # noqa: E402,F401
 

@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import replace
 
-from _common import (SHAPES, Recipe, env_info, log, poison_allocator, precompile,
+from _common import (SHAPES, Recipe, env_info, expert_map_for, log, poison_allocator, precompile,
                      random_experts, random_hidden, random_routing, write_json)
 
 import torch  # noqa: E402
@@ -126,11 +126,13 @@ def main() -> int:
     chk = Checker(args.out, {"info": info, "seed": args.seed, "tolerance": TOLERANCE, "shape": shape})
 
     sections = set(args.sections.split(","))
+    # an expert-parallel shape: the router picks among routed_experts, this rank holds the first e
     routed = shape.get("routed_experts", e)
-    if "bf16" in sections and not bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, routed):
+    ep_map = expert_map_for(routed, e, dev) if routed != e else None
+    if "bf16" in sections and not bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map):
         return 1
     if "align" in sections:
-        alignment_checks(chk, dev, gen, shape.get("routed_experts", e), e, topk, tokens)
+        alignment_checks(chk, dev, gen, e, topk, tokens, ep_map)
     if "validate" in sections:
         validation_checks(chk, dev, gen, e, h, i)
     if "int4-methods" in sections:
@@ -146,12 +148,11 @@ def json_dumps(obj) -> str:
 
 
 
-def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, routed) -> bool:
+def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
     """The bf16-activation checks (MXFP4 and int4, every path and decoder); False when unavailable.
-    With `routed` > e (an expert-parallel shape) the router picks among `routed` experts and this
-    rank holds the first e: the per-count checks and the graph check go through that expert map."""
-    from kimi_k3_moe.bench.data import expert_map_for
-    ep_map = expert_map_for(routed, e, dev) if routed != e else None
+    With an expert-parallel map `ep_map` (this rank holds its first e of the routed experts) the
+    per-count checks and the graph check go through it."""
+    routed = e if ep_map is None else ep_map.numel()
     held = e if ep_map is not None else None  # at least one pair on this rank: none would check nothing
     experts = random_experts(e, h, i, dev, gen)
     backends = {"mxfp4": get_backend("triton", weight_format="mxfp4"),
@@ -328,20 +329,18 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, routed) -> bool:
     return True
 
 
-def alignment_checks(chk, dev, gen, routed, e, topk, tokens, replays: int = 30) -> None:
+def alignment_checks(chk, dev, gen, e, topk, tokens, emap, replays: int = 30) -> None:
     """The alignment alone (both block sizes of a split stage 2), eager and as a graph replayed over
     fresh uniform and skewed routing, against a PyTorch count of every expert's rows; above 256 pairs
     its counters must be zero again after every run (they persist between forwards)."""
-    from kimi_k3_moe.bench.data import expert_map_for
     from kimi_k3_moe.kernels.triton import alignment
-    emap = expert_map_for(routed, e, dev) if routed != e else None
+    routed = e if emap is None else emap.numel()
     for t in tokens:
         for skew in (0.0, 2.0):
-            bias = torch.randn(routed, device=dev, generator=gen) * skew
+            bias = torch.randn(routed, device=dev, generator=gen) * skew if skew else None
 
             def fresh_ids():
-                logits = torch.randn(t, routed, device=dev, generator=gen) + bias
-                return logits.topk(topk, dim=1).indices.to(torch.int32)
+                return random_routing(t, routed, topk, dev, gen, bias=bias)[1]
             ids = fresh_ids()
             aligned, launches = alignment.align_launches(ids, emap, e, (16, 64))
             graph = None
