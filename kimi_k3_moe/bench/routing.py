@@ -49,3 +49,15 @@ def routing_arg(text: str) -> Routing:
         return parse_routing(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def routings_arg(text: str) -> tuple[Routing, ...]:
+    """A comma list of routings (`tune --routing uniform,skewed`), each at most once."""
+    try:
+        routings = tuple(parse_routing(part.strip()) for part in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    names = [str(r) for r in routings]
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--routing {text!r}: a routing given twice")
+    return routings

@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-from kimi_k3_moe.bench.routing import ROUTINGS, routing_arg
+from kimi_k3_moe.bench.routing import ROUTINGS, routings_arg
 from kimi_k3_moe.bench.shapes import add_shape_arguments
 from kimi_k3_moe.cli import count_list, positive_float, positive_int
 from kimi_k3_moe.kernels import SPECS
@@ -31,8 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="triton: the first few candidates per stage only")
     parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
     parser.add_argument("--restart", action="store_true", help="ignore the saved progress of an earlier run")
-    parser.add_argument("--routing", default="uniform", type=routing_arg,
-                        help=f"{ROUTINGS}: the routing every candidate is timed on (in the table's fingerprint)")
+    parser.add_argument("--routing", default="uniform", type=routings_arg,
+                        help=f"{ROUTINGS}, or a comma list of them (e.g. uniform,skewed): the routings every "
+                             "candidate is timed on; with several, a tier keeps the candidate whose worst ratio to "
+                             "each routing's best is smallest (in the table's fingerprint)")
     parser.add_argument("--packaged", metavar="PATH", default=None,
                         help="triton, for maintainers: also merge the tuned tiers into this packaged table "
                              "(the running Triton's section; other tiers, entries and sections stay)")
@@ -132,6 +134,13 @@ def run_with_progress(target, activation, timer, budget_s, state, seed, device="
     return result
 
 
+def _note(info: dict) -> str:
+    if "worst_x_best" in info:
+        times = ", ".join(f"{r} {us:.1f}" for r, us in info["us_by_routing"].items())
+        return f"{times} us; worst {info['worst_x_best']:.3f}x best ({info['worst_routing']})"
+    return info.get("note", "")
+
+
 def print_summary(result: dict) -> None:
     from kimi_k3_moe.tune.loop import TIMED, is_packaged
     from rich.console import Console
@@ -147,7 +156,7 @@ def print_summary(result: dict) -> None:
         table.add_row(str(tier), "partial" if info.get("partial") else str(info["tuned"]),
                       f"{info['us']:.1f}" if "us" in info else "-", f"{p_us:.1f}" if p_us else "-",
                       f"{info['us'] / p_us:.3f}" if p_us and "us" in info else "-",
-                      f"{info.get('timed', 0)}/{info.get('candidates', 0)}", info.get("note", ""))
+                      f"{info.get('timed', 0)}/{info.get('candidates', 0)}", _note(info))
     console.print(table)
     if result["resumed"]:
         console.print(f"resumed {result['resumed']} earlier outcomes")

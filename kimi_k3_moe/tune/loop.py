@@ -4,7 +4,11 @@ Per token tier: ask the target for candidates (in rounds: a target may propose
 combinations of the best so far), skip those that do not compile or spill,
 check each survivor on fresh random data against the float reference (the
 model's SiTUv2, which must differ from SiLU), time it with the bench's one
-method, and keep the fastest. Every outcome goes to a state file after each
+method, and keep the fastest. Given several routings (uniform and skewed, say), every
+candidate is checked and timed under each, and the pick is the one whose worst ratio to
+each routing's best is smallest: a tier's config then loses least wherever the router
+sends its tokens (the fastest under uniform routing can read the same expert twice
+when a skewed router sends it many tokens). Every outcome goes to a state file after each
 candidate, so an interrupted run resumes where it stopped; the whole run is
 bounded by a budget, shared out so that the first tiers cannot spend it all:
 tier i of n may start candidates until now + (what is left) / (n - i), time a
@@ -62,6 +66,20 @@ class Target(Protocol):
     def table_extra(self) -> dict: ...
 
 
+class _Case:
+    """One routing's draw for a tier, and its references (computed once, on the first candidate run)."""
+
+    def __init__(self, name: str, weights: torch.Tensor, ids: torch.Tensor):
+        self.name, self.weights, self.ids = name, weights, ids
+        self._refs = None
+
+    def references(self, hidden, w13_of, w2_of, activation, silu, emap):
+        if self._refs is None:
+            self._refs = tuple(dense_moe(hidden, w13_of, w2_of, self.weights, self.ids, act, emap,
+                                         compute_dtype=torch.float32) for act in (activation, silu))
+        return self._refs
+
+
 class State:
     """Outcomes per tier and candidate key, on disk after every candidate (resume)."""
 
@@ -91,20 +109,40 @@ class State:
         tmp.replace(self.path)
 
 
+def pick(outcomes: dict[str, dict], routings: list[str]) -> tuple[str, float, str]:
+    """The timed candidate to keep, its worst ratio to a routing's best, and that routing: the
+    smallest worst ratio, then the fastest under the first routing."""
+    if len(routings) == 1:
+        key = min(outcomes, key=lambda k: (outcomes[k]["us"], k))
+        return key, 1.0, routings[0]
+    best = {r: min(o["us_by_routing"][r] for o in outcomes.values()) for r in routings}
+
+    def worst(k: str) -> tuple[float, str]:
+        return max((outcomes[k]["us_by_routing"][r] / best[r], r) for r in routings)
+    key = min(outcomes, key=lambda k: (worst(k)[0], outcomes[k]["us"], k))
+    return (key, *worst(key))
+
+
 def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, state_path: Path, device,
-         seed: int, clock: Callable[[], float] = time.monotonic, progress=None, routing: Routing = Routing()) -> dict:
-    """Run the loop; returns {"path": table written, "tiers": {tier: summary}, "state": ..}."""
+         seed: int, clock: Callable[[], float] = time.monotonic, progress=None,
+         routing: Routing | tuple[Routing, ...] = Routing()) -> dict:
+    """Run the loop; returns {"path": table written, "tiers": {tier: summary}, "state": ..}.
+    `routing`: one, or several that every candidate is timed under (`pick`)."""
     from kimi_k3_moe.configs import user_tables
     from kimi_k3_moe.kernels import get_spec
     shape = target.shape
+    routings = (routing,) if isinstance(routing, Routing) else tuple(routing)
+    names = [str(r) for r in routings]
+    if not routings or len(set(names)) != len(names):
+        raise ValueError(f"routing: one or more distinct routings, got {names}")
     fingerprint = {"backend": target.backend, "device": target.identity, "package": __version__,
-                   "shape": shape.to_json(), "activation": str(activation), "routing": str(routing),
+                   "shape": shape.to_json(), "activation": str(activation), "routing": ",".join(names),
                    **target.table_extra()}
     state = State(state_path, fingerprint)
     deadline = clock() + budget_s
     tiers = target.tiers()
     gen = torch.Generator(device=device).manual_seed(seed)
-    route = RoutingSource(routing, shape.num_experts, shape.topk, device, gen)
+    sources = [RoutingSource(r, shape.num_experts, shape.topk, device, gen) for r in routings]
     # expert parallel: routing over every expert, this rank holding [0, held) (as bench times it)
     emap = expert_map_for(shape.num_experts, shape.held_experts, device) if shape.is_ep else None
     w13_of, w2_of = target.reference_weights()
@@ -118,8 +156,8 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
         tier_out_of_time = False
         first = None  # the target's first candidate of this tier
         hidden = random_hidden(tier, shape.hidden, device, gen)  # fresh data every run, every tier
-        weights, ids = route(tier, held=shape.held_experts if shape.is_ep else None)
-        ref = silu_ref = None
+        cases = [_Case(name, *src(tier, held=shape.held_experts if shape.is_ep else None))
+                 for name, src in zip(names, sources)]
         seen: dict[str, Candidate] = {}
         while True:
             fresh = [c for c in target.candidates(tier, done) if c.key not in seen]
@@ -142,27 +180,32 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
                     continue
                 try:
                     run = target.runner(cand)
-                    out = run(hidden, weights, ids, emap)
-                    if ref is None:
-                        ref = dense_moe(hidden, w13_of, w2_of, weights, ids, activation, emap, compute_dtype=torch.float32)
-                        silu_ref = dense_moe(hidden, w13_of, w2_of, weights, ids, silu, emap, compute_dtype=torch.float32)
-                    verdict = judge(out, ref, silu_ref, getattr(target, "bound", REL_L2_BOUND))
+                    rel_l2, us = 0.0, {}
+                    for case in cases:
+                        ref, silu_ref = case.references(hidden, w13_of, w2_of, activation, silu, emap)
+                        verdict = judge(run(hidden, case.weights, case.ids, emap), ref, silu_ref,
+                                        getattr(target, "bound", REL_L2_BOUND))
+                        if not verdict.ok:
+                            break
+                        rel_l2 = max(rel_l2, verdict.rel_l2)
+                        if hasattr(timer, "label"):
+                            timer.label = cand.label if len(cases) == 1 else f"{cand.label} @{case.name}"
+                        us[case.name] = timer.time(lambda: run(hidden, case.weights, case.ids, emap))["median_us"]
                     if not verdict.ok:
                         state.record(cand, {"status": REJECTED, "why": verdict.why, "rel_l2": verdict.rel_l2,
-                                            "label": cand.label})
+                                            "label": cand.label, **({"routing": case.name} if len(cases) > 1 else {})})
                         continue
-                    if hasattr(timer, "label"):
-                        timer.label = cand.label
-                    t = timer.time(lambda: run(hidden, weights, ids, emap))
-                    state.record(cand, {"status": TIMED, "us": t["median_us"], "rel_l2": verdict.rel_l2,
-                                        "label": cand.label})
+                    state.record(cand, {"status": TIMED, "us": us[names[0]], "rel_l2": rel_l2, "label": cand.label,
+                                        **({"us_by_routing": us} if len(cases) > 1 else {})})
                 except Exception as exc:  # a candidate that fails at run time is one outcome, not the end
                     state.record(cand, {"status": FAILED, "why": f"{type(exc).__name__}: {exc}"[:300],
                                         "label": cand.label})
-        timed = [(o["us"], k) for k, o in done.items() if o["status"] == TIMED and k in seen]
+        timed = {k: o for k, o in done.items() if o["status"] == TIMED and k in seen}
         if timed:
-            us, key = min(timed)
-            info = {"tuned": True, "us": us, "candidates": len(seen), "timed": len(timed)}
+            key, worst, against = pick(timed, names)
+            info = {"tuned": True, "us": timed[key]["us"], "candidates": len(seen), "timed": len(timed)}
+            if len(names) > 1:
+                info.update(us_by_routing=timed[key]["us_by_routing"], worst_x_best=worst, worst_routing=against)
             if not all(k in done for k in seen):
                 info["partial"] = True  # its share of the budget ran out: the best so far
             chosen[tier] = (seen[key], info)

@@ -39,3 +39,13 @@ def test_a_bug_while_building_the_target_is_an_internal_error(builder, capsys, e
     assert "cannot be tuned here" not in err and "--debug" in err
     with pytest.raises(type(exc)):
         main(["tune", "--debug", "--backend", "triton", "--shape", "tiny"])
+
+
+def test_routing_takes_a_comma_list_of_distinct_routings():
+    import argparse
+
+    from kimi_k3_moe.bench.routing import routings_arg
+    assert [str(r) for r in routings_arg("uniform,skewed:2")] == ["uniform", "skewed:2"]
+    for bad in ("uniform,uniform", "uniform,skewed:0", "uniform,"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--routing"):
+            routings_arg(bad)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
@@ -226,3 +227,50 @@ def test_off_a_terminal_each_candidate_is_one_flushed_line(tables, seed):
                                stream=out)
     lines = out.getvalue().splitlines()
     assert len(lines) == len(result["outcomes"]["1"]) and all(ln.startswith("tune triton [") for ln in lines), lines
+
+
+class FirstTwo(TritonTarget):
+    def candidates(self, tier, done):
+        return super().candidates(tier, done)[:2]
+
+
+def skew_sensitive_time(label: str) -> float:
+    """The packaged config fastest under uniform routing but 1.6x slower under skewed; the other 2 %
+    slower under uniform and the best under skewed."""
+    packaged = " packaged" in label
+    if "@skewed" in label:
+        return 80.0 if packaged else 50.0
+    return 50.0 if packaged else 51.0
+
+
+def test_under_several_routings_a_tier_keeps_the_candidate_that_loses_least_under_any(tables, seed):
+    from kimi_k3_moe.bench.routing import Routing
+    experts = random_experts(SHAPE.num_experts, SHAPE.hidden, SHAPE.inter, "cpu", torch.Generator().manual_seed(seed))
+
+    def run(routing, state):
+        target = FirstTwo(SHAPE, experts, SITU, identity=user_tables.device_identity(), tiers=[4])
+        return tune(target, SITU, FakeClock(skew_sensitive_time), budget_s=1e9, state_path=tables / state,
+                    device="cpu", seed=seed, routing=routing)
+
+    alone = run(Routing(), "uniform.json")
+    chosen = [o for o in alone["outcomes"]["4"].values() if o["us"] == alone["tiers"][4]["us"]]
+    assert alone["tiers"][4]["us"] == 50.0 and " packaged" in chosen[0]["label"]
+    both = run((Routing(), Routing("skewed")), "both.json")
+    info = both["tiers"][4]
+    assert info["us"] == 51.0 and info["us_by_routing"] == {"uniform": 51.0, "skewed:1": 50.0}, info
+    assert info["worst_x_best"] == pytest.approx(51.0 / 50.0) and info["worst_routing"] == "uniform"
+    outcomes = list(both["outcomes"]["4"].values())
+    assert len(outcomes) == 2 and all(set(o["us_by_routing"]) == {"uniform", "skewed:1"} for o in outcomes)
+    entry = user_tables.load(tt.USER_TABLE)[0]["entries"][both["key"]]["tiers"]["4"]
+    assert entry["worst_routing"] == "uniform" and entry["us_by_routing"]["skewed:1"] == 50.0
+
+
+def test_a_candidate_wrong_under_one_routing_is_rejected(tables, seed):
+    from kimi_k3_moe.bench.routing import Routing
+    target = make_target(seed)
+    target._tiers = [4]
+    result = tune(target, SITU, FakeClock(fake_time), budget_s=1e9, state_path=tables / "r.json", device="cpu",
+                  seed=seed, routing=(Routing(), Routing("skewed", 2.0)))
+    wrong = [o for o in result["outcomes"]["4"].values() if "wrong-activation" in o["label"]]
+    assert wrong[0]["status"] == REJECTED and wrong[0]["routing"] == "uniform"
+    assert result["tiers"][4]["us"] >= 50.0
