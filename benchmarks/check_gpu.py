@@ -361,31 +361,10 @@ def alignment_checks(chk, dev, gen, e, topk, tokens, emap, replays: int = 30) ->
                     for launch in launches:
                         launch()
                 local = ids.reshape(-1).long() if emap is None else emap[ids.reshape(-1).long()].long()
-                bad += sum(not _aligned_ok(x, local, e) for x in aligned)
+                bad += sum(alignment.misplaced(x, local) is not None for x in aligned)
                 dirty += int(counters is not None and bool(counters.any()))
             chk.record(bad == 0 and dirty == 0, check="alignment", tokens=t, skew=skew, runs=replays, wrong=bad,
                        counters_left_dirty=dirty)
-
-
-def _aligned_ok(x, local, num_experts) -> bool:
-    """Each expert's rows start at the padded prefix sum of the counts; every pair on this rank sits
-    in exactly one row of a block of its expert; the rows past num_rows are padding."""
-    if x.sorted_pairs.is_cuda:
-        torch.cuda.synchronize()
-    mine = local >= 0
-    counts = torch.bincount(local[mine], minlength=num_experts)
-    padded = (counts + x.block_m - 1) // x.block_m * x.block_m
-    num_rows = int(x.num_rows)
-    if not torch.equal(x.offsets.long(), torch.cumsum(padded, 0) - padded) or num_rows != int(padded.sum()):
-        return False
-    rows = x.sorted_pairs[:num_rows].long()
-    real = rows < local.numel()
-    if not torch.equal(torch.sort(rows[real]).values, torch.nonzero(mine).flatten()):
-        return False
-    block_of = torch.arange(num_rows, device=rows.device) // x.block_m
-    return torch.equal(local[rows[real]], x.block_expert[block_of[real]].long()) and \
-        bool((x.sorted_pairs[num_rows:] == local.numel()).all()) and \
-        bool((x.block_expert[num_rows // x.block_m:] == -1).all())
 
 
 def int4_method_checks(chk, dev, gen, e, h, i, topk, tokens, methods, workers) -> None:

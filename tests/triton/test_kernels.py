@@ -1,4 +1,6 @@
 """The decoders and the token alignment, run under the interpreter."""
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -66,7 +68,7 @@ def test_alignment_groups_every_pair_once(with_map, block_ms, small, gen, monkey
         for launch in launches:
             launch()
         for x in aligned:
-            _check_aligned(x, flat, want_local)
+            _check_aligned(x, want_local)
         if not small:  # the counters and the ticket are zero again for the next forward
             assert not alignment.counters(ids.device, e if emap is None else 4).any()
     if len(aligned) == 2:  # one slot per pair: its place among its expert's rows is the same in both
@@ -107,24 +109,37 @@ def _slots(pairs, num_pairs):
     return {p: r - pairs.offsets[pairs.local[p]].item() for r, p in enumerate(rows) if p < num_pairs}
 
 
-def _check_aligned(pairs, flat, want_local):
-    block_m = pairs.block_m
+def _check_aligned(pairs, want_local):
     assert torch.equal(pairs.local.long(), want_local)
-    counts = torch.bincount(want_local[want_local >= 0], minlength=pairs.offsets.numel())
-    padded = (counts + block_m - 1) // block_m * block_m
-    assert torch.equal(pairs.offsets.long(), torch.cumsum(padded, 0) - padded)
-    num_rows = int(pairs.num_rows.item())
-    assert num_rows == int(padded.sum()) and num_rows <= pairs.max_rows
-    rows = pairs.sorted_pairs[:num_rows].long()
-    real = rows[rows < flat.numel()]
-    assert sorted(real.tolist()) == [p for p in range(flat.numel()) if want_local[p] >= 0]
-    assert torch.all(pairs.sorted_pairs[num_rows:] == flat.numel())  # padding sentinel beyond the rows
-    assert torch.all(pairs.block_expert[num_rows // block_m:] == -1)  # kernels without num_rows skip by it
-    for b in range(num_rows // block_m):
-        block = rows[b * block_m:(b + 1) * block_m]
-        block = block[block < flat.numel()]
-        assert block.numel() > 0, "a block without pairs"
-        assert torch.all(want_local[block] == pairs.block_expert[b])
+    assert alignment.misplaced(pairs, want_local) is None
+
+
+def test_the_alignment_checker_names_each_kind_of_misplaced_row(gen):
+    """misplaced() is what the GPU check trusts: every kind of wrong alignment must be named."""
+    _, ids = _data.routing(gen, 37, 6, 3)
+    (good,), launches = alignment.align_launches(ids, None, 6, (16,))
+    for launch in launches:
+        launch()
+    local = ids.reshape(-1).long()
+    assert alignment.misplaced(good, local) is None
+    n = int(good.num_rows.item())
+    counts = torch.bincount(local, minlength=6)
+    a = int(good.offsets[local[0]])
+    b = next(int(good.offsets[e]) for e in range(6) if e != int(local[0]) and counts[e] > 0)
+
+    def mutated(name, change):
+        x = replace(good, **{name: getattr(good, name).clone()})
+        change(getattr(x, name))
+        return alignment.misplaced(x, local)
+
+    def swap(t):
+        t[a], t[b] = t[b].clone(), t[a].clone()
+    assert "another expert" in mutated("sorted_pairs", swap)
+    assert "exactly once" in mutated("sorted_pairs", lambda t: t.__setitem__(a, t[b]))
+    assert "padding" in mutated("sorted_pairs", lambda t: t.__setitem__(n, 0))
+    assert "first row" in mutated("offsets", lambda t: t.__setitem__(1, t[1] + 16))
+    assert "num_rows" in mutated("num_rows", lambda t: t.add_(16))
+    assert "names an expert" in mutated("block_expert", lambda t: t.__setitem__(n // 16, 0))
 
 
 def test_pair_order_is_the_wgmma_register_order():

@@ -145,3 +145,33 @@ def _aligned_buffers(num_pairs: int, num_experts: int, block_m: int, local: torc
         offsets=torch.empty(num_experts, dtype=torch.int32, device=device),
         num_experts=num_experts,
     )
+
+
+def misplaced(pairs: AlignedPairs, local: torch.Tensor) -> str | None:
+    """What is wrong with an alignment's rows for pairs whose local experts are `local` ([P], -1: on
+    no rank), worked out again with PyTorch; None if nothing. The GPU check and the tests use it."""
+    local = local.long()
+    mine = local >= 0
+    counts = torch.bincount(local[mine], minlength=pairs.offsets.numel())
+    padded = (counts + pairs.block_m - 1) // pairs.block_m * pairs.block_m
+    num_rows = int(pairs.num_rows.item())
+    if not torch.equal(pairs.offsets.long(), torch.cumsum(padded, 0) - padded):
+        return "an expert's first row is not the padded sum of the counts before it"
+    if num_rows != int(padded.sum()) or num_rows > pairs.max_rows:
+        return f"num_rows {num_rows}, the padded counts sum to {int(padded.sum())} (at most {pairs.max_rows})"
+    rows = pairs.sorted_pairs[:num_rows].long()
+    real = rows < local.numel()
+    if not torch.equal(torch.sort(rows[real]).values, torch.nonzero(mine).flatten()):
+        return "the rows do not hold each pair of this rank exactly once"
+    if not bool((pairs.sorted_pairs[num_rows:] == local.numel()).all()):
+        return "a row past num_rows is not padding"
+    if not bool((pairs.block_expert[num_rows // pairs.block_m:] == -1).all()):
+        return "a block past num_rows names an expert"  # kernels without num_rows skip by it
+    block_of = torch.arange(num_rows, device=rows.device) // pairs.block_m
+    if not torch.equal(local[rows[real]], pairs.block_expert[block_of[real]].long()):
+        return "a pair sits in a block of another expert"
+    has_pair = torch.zeros(num_rows // pairs.block_m, dtype=torch.bool, device=rows.device)
+    has_pair[block_of[real]] = True
+    if not bool(has_pair.all()):
+        return "a block without pairs"
+    return None
