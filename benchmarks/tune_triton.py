@@ -4,9 +4,12 @@ Each (shape, weight format) is one `kimi-k3-moe tune` run (kimi_k3_moe/tune: the
 kernels/triton/tuning_space.py, the packaged config among them, compile/spill skip, the reference
 check, graph timing, resumable state) into a scratch user-table folder; `--packaged` merges its
 tiers into the table's section of the running Triton (major.minor). Tiers not tuned now, other
-entries and other Tritons' sections stay as they are.
+entries and other Tritons' sections stay as they are. Every candidate is timed under uniform and
+skewed routing by default and a tier keeps the one that loses least to either routing's best (a
+packaged pick must hold wherever a router sends the tokens).
 
     python benchmarks/tune_triton.py [--shapes tp8,tp16,ep16] [--formats mxfp4,int4] [--budget-s 900]
+                                     [--routing uniform,skewed]
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="table path (default: the package's table for this GPU)")
     ap.add_argument("--quick-secondary", action="store_true",
                     help="only the first candidates per stage for entries other than tp8/mxfp4")
+    ap.add_argument("--routing", default="uniform,skewed", help="kimi-k3-moe tune --routing")
     ap.add_argument("--scratch", default=None, help="user-table folder for the runs (resumable; default: temp)")
     args = ap.parse_args()
     os.environ[user_tables.ENV_DIR] = args.scratch or tempfile.mkdtemp(prefix="kimi_tune_")
@@ -47,7 +51,7 @@ def main() -> int:
         log(f"{shape} {weight_format}: {budget_min:.1f} min")
         rc = cli.main(["tune", "--backend", "triton", "--shape", shape, "--format", weight_format, "--tiers", args.tiers,
                        "--budget-min", f"{max(budget_min, 1e-3):.4f}", "--reps", str(args.reps),
-                       "--packaged", out] + (["--quick"] if quick else []))
+                       "--routing", args.routing, "--packaged", out] + (["--quick"] if quick else []))
         if rc:
             return rc
     log(f"wrote {out}")
