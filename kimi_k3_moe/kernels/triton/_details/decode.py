@@ -29,7 +29,8 @@ FMT_INT4 = tl.constexpr(C.FMT_INT4)
 DECODE_BITS = tl.constexpr(C.DECODE_BITS)
 DECODE_PTX = tl.constexpr(C.DECODE_PTX)
 DECODE_PTX_WIDE = tl.constexpr(C.DECODE_PTX_WIDE)
-# a kernel's WEIGHTS code -> the format, decoder and offsets the helpers below take (index by the code)
+# a kernel's WEIGHTS code -> the format, decoder and offsets of the WeightCode the helpers below take
+# (_details/groups.py; index by the code)
 WEIGHT_FMT = tl.constexpr(tuple(fmt_code for fmt_code, _, _ in C.WEIGHTS))
 WEIGHT_DECODE = tl.constexpr(tuple(decode for _, decode, _ in C.WEIGHTS))
 WEIGHT_OFFSETS = tl.constexpr(tuple(offsets for _, _, offsets in C.WEIGHTS))
@@ -193,29 +194,30 @@ def _scaled(q, sw, ow, HAS_OFFSETS: tl.constexpr):
 
 
 @triton.jit
-def load_weight_raw(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def load_weight_raw(tile, k0, code, BLOCK_K: tl.constexpr):
     """The undecoded words [BN, BLOCK_K/8] (int32), scales and offsets [BN, BLOCK_K/32] of K
-    range [k0, k0 + BLOCK_K). row_ptr / s_row_ptr / o_row_ptr: [BN, 1] pointers to each row's
-    codes / scales / offsets; mask_n: [BN, 1] or [BN, BLOCK_K/8]-broadcastable rows to load."""
+    range [k0, k0 + BLOCK_K) of a WeightTile (_details/groups.py: [BN, 1] pointers to each row's
+    codes, scales and offsets; its mask [BN, 1] or [BN, BLOCK_K/8]-broadcastable). code: a WeightCode."""
     tl.static_assert(BLOCK_K % 32 == 0, "BLOCK_K must be a multiple of the 32-element scale group")
     g = tl.arange(0, BLOCK_K // 32)
     cw = tl.arange(0, BLOCK_K // 8)
-    w = tl.load((row_ptr + k0 // 2).to(tl.pointer_type(tl.int32)) + cw[None, :], mask=mask_n, other=0)
-    s = tl.load(s_row_ptr + (k0 // 32 + g)[None, :], mask=mask_n, other=0)
-    if HAS_OFFSETS:
-        o = tl.load(o_row_ptr + (k0 // 32 + g)[None, :], mask=mask_n, other=0)
+    w = tl.load((tile.rows + k0 // 2).to(tl.pointer_type(tl.int32)) + cw[None, :], mask=tile.mask, other=0)
+    s = tl.load(tile.scales + (k0 // 32 + g)[None, :], mask=tile.mask, other=0)
+    if code.HAS_OFFSETS:
+        o = tl.load(tile.offsets + (k0 // 32 + g)[None, :], mask=tile.mask, other=0)
     else:
         o = s
     return w, s, o
 
 
 @triton.jit
-def decode_weight_raw(w, s, o, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def decode_weight_raw(w, s, o, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """load_weight_raw's words -> v0..v7, bf16 [BLOCK_N, BLOCK_K/8]: v_j[:, c] is the weight at
-    K = k0 + 8c + j. Every element is a whole 32-bit word, so the result does not depend on how
-    the compiler lays the tile out in registers."""
+    K = k0 + 8c + j, decoded as the WeightCode `code` says. Every element is a whole 32-bit word, so
+    the result does not depend on how the compiler lays the tile out in registers."""
+    FMT: tl.constexpr = code.FMT
+    HAS_OFFSETS: tl.constexpr = code.HAS_OFFSETS
+    DECODE: tl.constexpr = code.DECODE
     GROUPS: tl.constexpr = BLOCK_K // 32
     tl.static_assert(FMT == FMT_MXFP4 or FMT == FMT_INT4, "unknown weight format")
     tl.static_assert(DECODE == DECODE_BITS or DECODE == DECODE_PTX or DECODE == DECODE_PTX_WIDE,
@@ -270,22 +272,17 @@ def decode_weight_raw(w, s, o, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DEC
 
 
 @triton.jit
-def load_weight_words(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n,
-                      FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def load_weight_words(tile, k0, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """load_weight_raw then decode_weight_raw: v0..v7, bf16 [BLOCK_N, BLOCK_K/8]."""
-    w, s, o = load_weight_raw(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n, FMT, HAS_OFFSETS, BLOCK_K)
-    return decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+    w, s, o = load_weight_raw(tile, k0, code, BLOCK_K)
+    return decode_weight_raw(w, s, o, code, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def load_weight_tile(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n,
-                     FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def load_weight_tile(tile, k0, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`load_weight_words` regrouped for dots: (wa, wb), bf16 [BLOCK_N, BLOCK_K // 2];
     wa[:, c] is the weight at K = k0 + word_k_offsets(c), wb the one 4 further."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n, FMT,
-                                                       HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+    v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(tile, k0, code, BLOCK_N, BLOCK_K)
     wa = _interleave4(v0, v1, v2, v3, BLOCK_N, BLOCK_K // 2)
     wb = _interleave4(v4, v5, v6, v7, BLOCK_N, BLOCK_K // 2)
     return wa, wb
@@ -313,12 +310,9 @@ def to_pair_order(v):
 
 
 @triton.jit
-def load_weight_pairs(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n,
-                      FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def load_weight_pairs(tile, k0, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile in pair order, bf16 [BLOCK_N, BLOCK_K]: column c holds K = k0 + pair_order(c)."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(row_ptr, s_row_ptr, o_row_ptr, k0, mask_n, FMT,
-                                                       HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+    v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(tile, k0, code, BLOCK_N, BLOCK_K)
     # [BN, C, b, p0, p1] with word c = 4g + q and pair p = 2 p1 + p0
     t = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
     t = tl.reshape(t, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2))

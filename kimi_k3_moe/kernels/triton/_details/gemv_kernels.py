@@ -19,30 +19,31 @@ from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, decode_weight_raw,
                                                         load_weight_raw)
 from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
+from kimi_k3_moe.kernels.triton._details.groups import ExpertWeights, SlotRouting, WeightCode, WeightTile
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to
 from kimi_k3_moe.kernels.triton._details.pdl import let_next_start, wait_for_previous
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
 
 @triton.jit
-def _fma_words(acc, x_ptrs, x_mask, v0, v1, v2, v3, v4, v5, v6, v7, W: tl.constexpr):
-    """acc += sum_j v_j * x_j, x in word order: slot j's activations start at x_ptrs + j*W."""
-    acc += v0.to(tl.float32) * tl.load(x_ptrs + 0 * W, mask=x_mask, other=0.0).to(tl.float32)
-    acc += v1.to(tl.float32) * tl.load(x_ptrs + 1 * W, mask=x_mask, other=0.0).to(tl.float32)
-    acc += v2.to(tl.float32) * tl.load(x_ptrs + 2 * W, mask=x_mask, other=0.0).to(tl.float32)
-    acc += v3.to(tl.float32) * tl.load(x_ptrs + 3 * W, mask=x_mask, other=0.0).to(tl.float32)
-    acc += v4.to(tl.float32) * tl.load(x_ptrs + 4 * W, mask=x_mask, other=0.0).to(tl.float32)
-    acc += v5.to(tl.float32) * tl.load(x_ptrs + 5 * W, mask=x_mask, other=0.0).to(tl.float32)
-    acc += v6.to(tl.float32) * tl.load(x_ptrs + 6 * W, mask=x_mask, other=0.0).to(tl.float32)
-    acc += v7.to(tl.float32) * tl.load(x_ptrs + 7 * W, mask=x_mask, other=0.0).to(tl.float32)
+def _fma_words(acc, x_ptrs, x_mask, vs, W: tl.constexpr):
+    """acc += sum_j vs[j] * x_j, x in word order: slot j's activations start at x_ptrs + j*W."""
+    acc += vs[0].to(tl.float32) * tl.load(x_ptrs + 0 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += vs[1].to(tl.float32) * tl.load(x_ptrs + 1 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += vs[2].to(tl.float32) * tl.load(x_ptrs + 2 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += vs[3].to(tl.float32) * tl.load(x_ptrs + 3 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += vs[4].to(tl.float32) * tl.load(x_ptrs + 4 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += vs[5].to(tl.float32) * tl.load(x_ptrs + 5 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += vs[6].to(tl.float32) * tl.load(x_ptrs + 6 * W, mask=x_mask, other=0.0).to(tl.float32)
+    acc += vs[7].to(tl.float32) * tl.load(x_ptrs + 7 * W, mask=x_mask, other=0.0).to(tl.float32)
     return acc
 
 
 @triton.jit
-def _fma_k_loop(acc, w_rows, s_rows, o_rows, w_mask, x_words, x_mask, K: tl.constexpr, FMT: tl.constexpr,
-                HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fma_k_loop(acc, tile, x_words, x_mask, K: tl.constexpr, code, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
                 PDL: tl.constexpr):
     """acc [ROWS, BLOCK_K/8] += the words of W[:, 0:K] times x (word order), decoded step by step.
+    tile: the WeightTile of W's rows, code: its WeightCode (_details/groups.py).
 
     The weight loads run one K step ahead of the arithmetic (they feed no dot, so the compiler's
     pipeliner leaves them alone); the step after the last re-reads the last tile (an L2 hit)
@@ -50,13 +51,13 @@ def _fma_k_loop(acc, w_rows, s_rows, o_rows, w_mask, x_words, x_mask, K: tl.cons
     running: the first step's weights are requested before waiting for it (they never depend on it).
     (Issuing all of K's loads at once instead was no faster on the H200: the one-step prefetch is
     the simpler of two equal options.)"""
-    w, s, o = load_weight_raw(w_rows, s_rows, o_rows, 0, w_mask, FMT, HAS_OFFSETS, BLOCK_K)
+    w, s, o = load_weight_raw(tile, 0, code, BLOCK_K)
     wait_for_previous(PDL)
     for k0 in range(0, K, BLOCK_K):
         k_next = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
-        w_next, s_next, o_next = load_weight_raw(w_rows, s_rows, o_rows, k_next, w_mask, FMT, HAS_OFFSETS, BLOCK_K)
-        v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, ROWS, BLOCK_K)
-        acc = _fma_words(acc, x_words + k0, x_mask, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
+        w_next, s_next, o_next = load_weight_raw(tile, k_next, code, BLOCK_K)
+        vs = decode_weight_raw(w, s, o, code, ROWS, BLOCK_K)
+        acc = _fma_words(acc, x_words + k0, x_mask, vs, BLOCK_K // 8)
         w, s, o = w_next, s_next, o_next
     return acc
 
@@ -80,9 +81,7 @@ def stage1_gemv_kernel(
     tiles (stage 2's), or in plain order when OUT_BLOCK_K is 0. WEIGHTS: _details/constants.py. PDL:
     see _details/pdl.py; the first weights are requested before the wait (_fma_k_loop)."""
     let_next_start(PDL)
-    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
-    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
-    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
+    code: tl.constexpr = WeightCode(WEIGHT_FMT[WEIGHTS], WEIGHT_OFFSETS[WEIGHTS], WEIGHT_DECODE[WEIGHTS])
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = local_expert(tl.load(ids_ptr + pair), map_ptr, num_ids, num_local, HAS_MAP)
@@ -99,8 +98,8 @@ def stage1_gemv_kernel(
     cw = tl.arange(0, BLOCK_K // 8)
     x_words = x_ptr + tok * stride_xm + cw[None, :]
     acc = tl.zeros((2 * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    acc = _fma_k_loop(acc, w_rows, s_ptr + so, o_ptr + so, mask_r, x_words, cw[None, :] >= 0, hidden, FMT,
-                      HAS_OFFSETS, DECODE, 2 * BLOCK_N, BLOCK_K, PDL)
+    acc = _fma_k_loop(acc, WeightTile(w_rows, s_ptr + so, o_ptr + so, mask_r), x_words, cw[None, :] >= 0, hidden,
+                      code, 2 * BLOCK_N, BLOCK_K, PDL)
     gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
     h = apply_activation(gate, up, beta, linear_beta, ACT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,18 +132,17 @@ def stage2_gemv_kernel(
     the wait (_fma_k_loop).
     """
     let_next_start(PDL)
-    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
-    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
-    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
+    code: tl.constexpr = WeightCode(WEIGHT_FMT[WEIGHTS], WEIGHT_OFFSETS[WEIGHTS], WEIGHT_DECODE[WEIGHTS])
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if HAS_MAP:
         # under expert parallelism most of a token's slots live on other ranks: one slot at a time,
         # skipping those, instead of decoding (masked) tiles for all of them
         wait_for_previous(PDL)
-        _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
-                                 o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden, inter_size, t,
-                                 pid_n, num_ids, num_local, TOPK, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+        _stage2_gemv_local_slots(t, pid_n,
+                                 ExpertWeights(w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn, o_ptr),
+                                 SlotRouting(ids_ptr, map_ptr, topk_w_ptr, num_ids, num_local), inter_ptr, stride_im,
+                                 out_ptr, stride_om, hidden, inter_size, TOPK, code, BLOCK_N, BLOCK_K)
         return
     r = tl.arange(0, SLOTS * BLOCK_N)
     slot = r // BLOCK_N
@@ -159,8 +157,8 @@ def stage2_gemv_kernel(
     x_words = inter_ptr + pair[:, None] * stride_im + cw[None, :]
     x_mask = here[:, None] & (cw[None, :] >= 0)
     acc = tl.zeros((SLOTS * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    acc = _fma_k_loop(acc, w_rows, s_ptr + so, o_ptr + so, here[:, None], x_words, x_mask, inter_size, FMT,
-                      HAS_OFFSETS, DECODE, SLOTS * BLOCK_N, BLOCK_K, PDL)
+    acc = _fma_k_loop(acc, WeightTile(w_rows, s_ptr + so, o_ptr + so, here[:, None]), x_words, x_mask, inter_size,
+                      code, SLOTS * BLOCK_N, BLOCK_K, PDL)
     gate = tl.load(topk_w_ptr + pair, mask=slot < TOPK, other=0.0).to(tl.float32)
     per_row = tl.where(here, tl.sum(acc, axis=1) * gate, 0.0)
     total = tl.sum(tl.reshape(per_row, (SLOTS, BLOCK_N)), axis=0)
@@ -169,30 +167,27 @@ def stage2_gemv_kernel(
 
 
 @triton.jit
-def _stage2_gemv_local_slots(inter_ptr, stride_im, w_ptr, stride_we, stride_wn, s_ptr, stride_se, stride_sn,
-                             o_ptr, out_ptr, stride_om, ids_ptr, map_ptr, topk_w_ptr, hidden,
-                             inter_size: tl.constexpr, t, pid_n, num_ids, num_local, TOPK: tl.constexpr,
-                             FMT: tl.constexpr,
-                             HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr,
+def _stage2_gemv_local_slots(t, pid_n, weights, routing, inter_ptr, stride_im, out_ptr, stride_om, hidden,
+                             inter_size: tl.constexpr, TOPK: tl.constexpr, code, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
-    """stage2_gemv_kernel with an expert map: the token's slots in order, fp32, those of other ranks skipped."""
+    """stage2_gemv_kernel with an expert map: the token's slots in order, fp32, those of other ranks skipped.
+    weights: ExpertWeights, routing: SlotRouting, code: WeightCode (_details/groups.py)."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = (n < hidden)[:, None]
     cw = tl.arange(0, BLOCK_K // 8)
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for slot in range(TOPK):
         pair = t * TOPK + slot
-        e = local_expert(tl.load(ids_ptr + pair), map_ptr, num_ids, num_local, True)
+        e = local_expert(tl.load(routing.ids + pair), routing.map, routing.num_ids, routing.num_local, True)
         if e >= 0:
             e64 = e.to(tl.int64)
-            w_rows = w_ptr + e64 * stride_we + n[:, None].to(tl.int64) * stride_wn
-            so = e64 * stride_se + n[:, None].to(tl.int64) * stride_sn
+            w_rows = weights.w + e64 * weights.stride_we + n[:, None].to(tl.int64) * weights.stride_wn
+            so = e64 * weights.stride_se + n[:, None].to(tl.int64) * weights.stride_sn
             x_words = inter_ptr + pair * stride_im + cw[None, :]
             acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
             for k0 in range(0, inter_size, BLOCK_K):
-                w, s, o = load_weight_raw(w_rows, s_ptr + so, o_ptr + so, k0, mask_n, FMT, HAS_OFFSETS, BLOCK_K)
-                v0, v1, v2, v3, v4, v5, v6, v7 = decode_weight_raw(w, s, o, FMT, HAS_OFFSETS, DECODE, BLOCK_N,
-                                                                   BLOCK_K)
-                acc = _fma_words(acc, x_words + k0, cw[None, :] >= 0, v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_K // 8)
-            total += tl.sum(acc, axis=1) * tl.load(topk_w_ptr + pair).to(tl.float32)
+                w, s, o = load_weight_raw(WeightTile(w_rows, weights.s + so, weights.o + so, mask_n), k0, code, BLOCK_K)
+                vs = decode_weight_raw(w, s, o, code, BLOCK_N, BLOCK_K)
+                acc = _fma_words(acc, x_words + k0, cw[None, :] >= 0, vs, BLOCK_K // 8)
+            total += tl.sum(acc, axis=1) * tl.load(routing.topk_w + pair).to(tl.float32)
     tl.store(out_ptr + t * stride_om + n, cast_to(total, out_ptr.dtype.element_ty), mask=n < hidden)

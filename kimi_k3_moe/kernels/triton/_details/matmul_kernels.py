@@ -29,6 +29,8 @@ from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FM
                                                         to_pair_order, word_k_offsets)
 from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
 from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
+from kimi_k3_moe.kernels.triton._details.groups import (Expert, Routing, RowTile, TileConfig, WeightCode,
+                                                        WeightTile)
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
@@ -89,33 +91,31 @@ def _block_and_tile(n, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_stacked(x_plain, row_ok, xt_plain, row_ok_t, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr, w_base,
-                     s_base, pid_n, inter_size, hidden: tl.constexpr, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                     DECODE: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_stacked(main, tail, expert, stride_wn, stride_sn, pid_n, inter_size, hidden: tl.constexpr, cfg):
     """Stage 1's K loop on one [2 x BLOCK_N] tile (gate rows, then the up rows of the same columns):
     one dot per K step on the pair order (a second on the tail rows). Returns the gate and up sums of
-    the main rows, each [BLOCK_M, BLOCK_N], and of the tail rows (the main ones again if TAIL_M is 0)."""
-    r = tl.arange(0, 2 * BLOCK_N)
-    n = pid_n * BLOCK_N + r % BLOCK_N
-    w_row = (n + (r // BLOCK_N) * inter_size)[:, None].to(tl.int64)
+    the main rows, each [BLOCK_M, BLOCK_N], and of the tail rows (the main ones again if TAIL_M is 0).
+    main, tail: RowTile; expert: Expert; cfg: TileConfig (_details/groups.py)."""
+    r = tl.arange(0, 2 * cfg.BLOCK_N)
+    n = pid_n * cfg.BLOCK_N + r % cfg.BLOCK_N
+    w_row = (n + (r // cfg.BLOCK_N) * inter_size)[:, None].to(tl.int64)
     mask = (n < inter_size)[:, None]
-    rows = w_ptr + w_base + w_row * stride_wn
-    so = s_base + w_row * stride_sn
-    acc = acc_zeros(BLOCK_M, 2 * BLOCK_N, SWAP)
-    if TAIL_M > 0:
-        acc_t = acc_zeros(TAIL_M, 2 * BLOCK_N, SWAP)
-    for k0 in range(0, hidden, BLOCK_K):
-        x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
-        v = load_weight_pairs(rows, s_ptr + so, o_ptr + so, k0, mask, FMT, HAS_OFFSETS, DECODE,
-                              2 * BLOCK_N, BLOCK_K)
-        acc = _dot1(acc, x, v, SWAP)
-        if TAIL_M > 0:
-            xt = cast_to(tl.load(xt_plain + k0, mask=row_ok_t[:, None], other=0.0), tl.bfloat16)
-            acc_t = _dot1(acc_t, xt, v, SWAP)
-    gate, up = _split_stacked(acc, SWAP, BLOCK_M, BLOCK_N)
-    if TAIL_M > 0:
-        gate_t, up_t = _split_stacked(acc_t, SWAP, TAIL_M, BLOCK_N)
+    rows = expert.w + expert.w_base + w_row * stride_wn
+    so = expert.s_base + w_row * stride_sn
+    acc = acc_zeros(cfg.BLOCK_M, 2 * cfg.BLOCK_N, cfg.SWAP)
+    if cfg.TAIL_M > 0:
+        acc_t = acc_zeros(cfg.TAIL_M, 2 * cfg.BLOCK_N, cfg.SWAP)
+    for k0 in range(0, hidden, cfg.BLOCK_K):
+        x = cast_to(tl.load(main.plain + k0, mask=main.ok[:, None], other=0.0), tl.bfloat16)
+        v = load_weight_pairs(WeightTile(rows, expert.s + so, expert.o + so, mask), k0, cfg.CODE, 2 * cfg.BLOCK_N,
+                              cfg.BLOCK_K)
+        acc = _dot1(acc, x, v, cfg.SWAP)
+        if cfg.TAIL_M > 0:
+            xt = cast_to(tl.load(tail.plain + k0, mask=tail.ok[:, None], other=0.0), tl.bfloat16)
+            acc_t = _dot1(acc_t, xt, v, cfg.SWAP)
+    gate, up = _split_stacked(acc, cfg.SWAP, cfg.BLOCK_M, cfg.BLOCK_N)
+    if cfg.TAIL_M > 0:
+        gate_t, up_t = _split_stacked(acc_t, cfg.SWAP, cfg.TAIL_M, cfg.BLOCK_N)
     else:
         gate_t, up_t = gate, up
     return gate, up, gate_t, up_t
@@ -145,102 +145,99 @@ def _load_x_words(x_ptrs, mask, W: tl.constexpr):
 
 
 @triton.jit
-def _word_dots(acc, x0, x1, x2, x3, x4, x5, x6, x7, v0, v1, v2, v3, v4, v5, v6, v7, SWAP: tl.constexpr):
-    """acc += sum_j x_j . v_j: eight dots over the word-strided K views (no weight shuffles)."""
-    acc = _dot1(acc, x0, v0, SWAP)
-    acc = _dot1(acc, x1, v1, SWAP)
-    acc = _dot1(acc, x2, v2, SWAP)
-    acc = _dot1(acc, x3, v3, SWAP)
-    acc = _dot1(acc, x4, v4, SWAP)
-    acc = _dot1(acc, x5, v5, SWAP)
-    acc = _dot1(acc, x6, v6, SWAP)
-    acc = _dot1(acc, x7, v7, SWAP)
+def _word_dots(acc, xs, ws, SWAP: tl.constexpr):
+    """acc += sum_j xs[j] . ws[j]: eight dots over the word-strided K views (no weight shuffles)."""
+    acc = _dot1(acc, xs[0], ws[0], SWAP)
+    acc = _dot1(acc, xs[1], ws[1], SWAP)
+    acc = _dot1(acc, xs[2], ws[2], SWAP)
+    acc = _dot1(acc, xs[3], ws[3], SWAP)
+    acc = _dot1(acc, xs[4], ws[4], SWAP)
+    acc = _dot1(acc, xs[5], ws[5], SWAP)
+    acc = _dot1(acc, xs[6], ws[6], SWAP)
+    acc = _dot1(acc, xs[7], ws[7], SWAP)
     return acc
 
 
 @triton.jit
-def _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, ORDER: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The activations of the K step at k0 in the config's K order, as `_dot_step` takes them:
+def _load_x_step(tile, k0, cfg):
+    """The activations of a RowTile's K step at k0 in the config's K order, as `_dot_step` takes them:
     the eight word views, (xa, xb) for the interleaved halves, else (x,) in pair order."""
-    if ORDER == ORDER_WORDS:
-        return _load_x_words(x_words + k0, row_ok[:, None], BLOCK_K // 8)
-    elif ORDER == ORDER_INTERLEAVE:
-        xa = cast_to(tl.load(x_rows + (k0 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
-        xb = cast_to(tl.load(x_rows + (k0 + 4 + ka)[None, :], mask=row_ok[:, None], other=0.0), tl.bfloat16)
+    if cfg.ORDER == ORDER_WORDS:
+        return _load_x_words(tile.words + k0, tile.ok[:, None], cfg.BLOCK_K // 8)
+    elif cfg.ORDER == ORDER_INTERLEAVE:
+        xa = cast_to(tl.load(tile.rows + (k0 + tile.ka)[None, :], mask=tile.ok[:, None], other=0.0), tl.bfloat16)
+        xb = cast_to(tl.load(tile.rows + (k0 + 4 + tile.ka)[None, :], mask=tile.ok[:, None], other=0.0),
+                     tl.bfloat16)
         return xa, xb
     else:
-        return _load_x_pairs(x_plain, row_ok, k0, False)
+        return _load_x_pairs(tile, k0, False)
 
 
 @triton.jit
-def _load_x_pairs(x_plain, row_ok, k0, PLAIN: tl.constexpr):
-    """(x,): the K step at k0 in pair order, from activations stored in pair order or, PLAIN, in
+def _load_x_pairs(tile, k0, PLAIN: tl.constexpr):
+    """(x,): a RowTile's K step at k0 in pair order, from activations stored in pair order or, PLAIN, in
     plain order (swapped in registers)."""
-    x = cast_to(tl.load(x_plain + k0, mask=row_ok[:, None], other=0.0), tl.bfloat16)
+    x = cast_to(tl.load(tile.plain + k0, mask=tile.ok[:, None], other=0.0), tl.bfloat16)
     if PLAIN:
         x = to_pair_order(x)
     return (x,)
 
 
 @triton.jit
-def _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                 DECODE: tl.constexpr, ORDER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weight tile of the K step at k0, decoded in the config's K order (as `_load_x_step`)."""
-    if ORDER == ORDER_WORDS:
-        return load_weight_words(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
-    elif ORDER == ORDER_INTERLEAVE:
-        return load_weight_tile(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K)
+def _load_w_step(w, k0, cfg):
+    """A WeightTile's K step at k0, decoded in the config's K order (as `_load_x_step`)."""
+    if cfg.ORDER == ORDER_WORDS:
+        return load_weight_words(w, k0, cfg.CODE, cfg.BLOCK_N, cfg.BLOCK_K)
+    elif cfg.ORDER == ORDER_INTERLEAVE:
+        return load_weight_tile(w, k0, cfg.CODE, cfg.BLOCK_N, cfg.BLOCK_K)
     else:
-        return (load_weight_pairs(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, BLOCK_N, BLOCK_K),)
+        return (load_weight_pairs(w, k0, cfg.CODE, cfg.BLOCK_N, cfg.BLOCK_K),)
 
 
 @triton.jit
-def _dot_step(acc, xs, ws, SWAP: tl.constexpr, ORDER: tl.constexpr):
+def _dot_step(acc, xs, ws, cfg):
     """acc += xs . ws, one K step of `_load_x_step` activations and `_load_w_step` weights."""
-    if ORDER == ORDER_WORDS:
-        acc = _word_dots(acc, xs[0], xs[1], xs[2], xs[3], xs[4], xs[5], xs[6], xs[7],
-                         ws[0], ws[1], ws[2], ws[3], ws[4], ws[5], ws[6], ws[7], SWAP)
-    elif ORDER == ORDER_INTERLEAVE:
-        acc = _acc_dot(acc, xs[0], xs[1], ws[0], ws[1], SWAP)
+    if cfg.ORDER == ORDER_WORDS:
+        acc = _word_dots(acc, xs, ws, cfg.SWAP)
+    elif cfg.ORDER == ORDER_INTERLEAVE:
+        acc = _acc_dot(acc, xs[0], xs[1], ws[0], ws[1], cfg.SWAP)
     else:
-        acc = _dot1(acc, xs[0], ws[0], SWAP)
+        acc = _dot1(acc, xs[0], ws[0], cfg.SWAP)
     return acc
 
 
 @triton.jit
-def _gate_up_pair(x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain, row_ok_t, ka, gate_rows, gate_s,
-                  gate_o, up_rows, up_s, up_o, mask_n, hidden: tl.constexpr, FMT: tl.constexpr,
-                  HAS_OFFSETS: tl.constexpr, DECODE: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr,
-                  BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_pair(main, tail, gate, up, hidden: tl.constexpr, cfg):
     """Stage 1's K loop with separate gate and up tiles and accumulators: the gate and up sums of the
-    main rows, each [BLOCK_M, BLOCK_N], and of the tail rows (the main ones again if TAIL_M is 0)."""
-    acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    if TAIL_M > 0:
-        acc_gt = acc_zeros(TAIL_M, BLOCK_N, SWAP)
-        acc_ut = acc_zeros(TAIL_M, BLOCK_N, SWAP)
-    for k0 in range(0, hidden, BLOCK_K):
-        xs = _load_x_step(x_rows, x_words, x_plain, row_ok, ka, k0, ORDER, BLOCK_K)
-        if TAIL_M > 0:
-            xts = _load_x_step(xt_rows, xt_words, xt_plain, row_ok_t, ka, k0, ORDER, BLOCK_K)
-        gs = _load_w_step(gate_rows, gate_s, gate_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, ORDER, BLOCK_N, BLOCK_K)
-        if ORDER == ORDER_WORDS:  # eight word dots each: gate's are issued before up's tile is decoded
-            acc_g = _dot_step(acc_g, xs, gs, SWAP, ORDER)
-            if TAIL_M > 0:
-                acc_gt = _dot_step(acc_gt, xts, gs, SWAP, ORDER)
-        us = _load_w_step(up_rows, up_s, up_o, k0, mask_n, FMT, HAS_OFFSETS, DECODE, ORDER, BLOCK_N, BLOCK_K)
-        if ORDER != ORDER_WORDS:
-            acc_g = _dot_step(acc_g, xs, gs, SWAP, ORDER)
-            if TAIL_M > 0:
-                acc_gt = _dot_step(acc_gt, xts, gs, SWAP, ORDER)
-        acc_u = _dot_step(acc_u, xs, us, SWAP, ORDER)
-        if TAIL_M > 0:
-            acc_ut = _dot_step(acc_ut, xts, us, SWAP, ORDER)
-    if SWAP:
+    main rows, each [BLOCK_M, BLOCK_N], and of the tail rows (the main ones again if TAIL_M is 0).
+    main, tail: RowTile; gate, up: WeightTile; cfg: TileConfig (_details/groups.py)."""
+    acc_g = acc_zeros(cfg.BLOCK_M, cfg.BLOCK_N, cfg.SWAP)
+    acc_u = acc_zeros(cfg.BLOCK_M, cfg.BLOCK_N, cfg.SWAP)
+    if cfg.TAIL_M > 0:
+        acc_gt = acc_zeros(cfg.TAIL_M, cfg.BLOCK_N, cfg.SWAP)
+        acc_ut = acc_zeros(cfg.TAIL_M, cfg.BLOCK_N, cfg.SWAP)
+    for k0 in range(0, hidden, cfg.BLOCK_K):
+        xs = _load_x_step(main, k0, cfg)
+        if cfg.TAIL_M > 0:
+            xts = _load_x_step(tail, k0, cfg)
+        gs = _load_w_step(gate, k0, cfg)
+        if cfg.ORDER == ORDER_WORDS:  # eight word dots each: gate's are issued before up's tile is decoded
+            acc_g = _dot_step(acc_g, xs, gs, cfg)
+            if cfg.TAIL_M > 0:
+                acc_gt = _dot_step(acc_gt, xts, gs, cfg)
+        us = _load_w_step(up, k0, cfg)
+        if cfg.ORDER != ORDER_WORDS:
+            acc_g = _dot_step(acc_g, xs, gs, cfg)
+            if cfg.TAIL_M > 0:
+                acc_gt = _dot_step(acc_gt, xts, gs, cfg)
+        acc_u = _dot_step(acc_u, xs, us, cfg)
+        if cfg.TAIL_M > 0:
+            acc_ut = _dot_step(acc_ut, xts, us, cfg)
+    if cfg.SWAP:
         acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
-    if TAIL_M > 0:
-        if SWAP:
+    if cfg.TAIL_M > 0:
+        if cfg.SWAP:
             acc_gt = tl.trans(acc_gt)
             acc_ut = tl.trans(acc_ut)
     else:
@@ -270,15 +267,15 @@ def _local_expert(ids_ptr, map_ptr, i, num_ids, num_local, HAS_MAP: tl.constexpr
 
 
 @triton.jit
-def _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr, num_pairs, num_ids, num_local,
-               PATH: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr):
-    """Row block pid_m: (whether it holds rows, its expert (int64), the main tile's pairs and real-row
-    mask, the tail tile's (the main ones when TAIL_M is 0)). PATH_DIRECT: block pid_m is pair pid_m (path
-    "direct"), its expert read from topk_ids (block_expert_ptr), through the expert map with
-    PATH_DIRECT_MAP; it holds rows when that expert is on this rank."""
+def _row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH: tl.constexpr, BLOCK_M: tl.constexpr,
+               TAIL_M: tl.constexpr):
+    """Row block pid_m of a Routing (_details/groups.py): (whether it holds rows, its expert (int64), the
+    main tile's pairs and real-row mask, the tail tile's (the main ones when TAIL_M is 0)). PATH_DIRECT:
+    block pid_m is pair pid_m (path "direct"), its expert read from topk_ids (routing.block_expert),
+    through the expert map with PATH_DIRECT_MAP; it holds rows when that expert is on this rank."""
     if PATH != PATH_ALIGNED:
         tl.static_assert(TAIL_M == 0, "a direct block is one pair")
-        e = _local_expert(block_expert_ptr, map_ptr, pid_m, num_ids, num_local, PATH == PATH_DIRECT_MAP)
+        e = _local_expert(routing.block_expert, routing.map, pid_m, num_ids, num_local, PATH == PATH_DIRECT_MAP)
         live = e >= 0
         pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
         pair_t, row_ok_t = pair, row_ok
@@ -286,20 +283,20 @@ def _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr, num_p
         # every program's block lies within the buffers (max_blocks of block_m rows), so reading them
         # for a block past the rows in use is harmless: the caller returns before using them
         start = pid_m * (BLOCK_M + TAIL_M)
-        live = start < tl.load(num_rows_ptr)
-        e = tl.load(block_expert_ptr + pid_m)
-        pair, row_ok = _row_tile(sorted_ptr, start, num_pairs, BLOCK_M)
+        live = start < tl.load(routing.num_rows)
+        e = tl.load(routing.block_expert + pid_m)
+        pair, row_ok = _row_tile(routing.sorted, start, num_pairs, BLOCK_M)
         if TAIL_M > 0:
-            pair_t, row_ok_t = _row_tile(sorted_ptr, start + BLOCK_M, num_pairs, TAIL_M)
+            pair_t, row_ok_t = _row_tile(routing.sorted, start + BLOCK_M, num_pairs, TAIL_M)
         else:
             pair_t, row_ok_t = pair, row_ok
     return live, e.to(tl.int64), pair, row_ok, pair_t, row_ok_t
 
 
 @triton.jit
-def _store_inter(acc_g, acc_u, beta, linear_beta, ACT: tl.constexpr, inter_ptr, stride_im, pair, row_ok, offs_n,
-                 dest, inter_size, SWAP_OUT: tl.constexpr):
-    """Stage 1's epilogue on one row tile: the activation of the full K sums, stored at each real
+def _store_inter(acc_g, acc_u, tile, beta, linear_beta, ACT: tl.constexpr, inter_ptr, stride_im, offs_n, dest,
+                 inter_size, SWAP_OUT: tl.constexpr):
+    """Stage 1's epilogue on one RowTile: the activation of the full K sums, stored at each real
     row's pair (columns `dest`). SWAP_OUT: the columns go out in pair order, swapped in registers
     (pair_order keeps each 32-group) so the stores stay contiguous and `dest` is offs_n; a scatter
     by pair_order stores 2 bytes at a time (on the H200 it made stage 1 25 % slower at 4096 tokens,
@@ -307,8 +304,8 @@ def _store_inter(acc_g, acc_u, beta, linear_beta, ACT: tl.constexpr, inter_ptr, 
     h = apply_activation(acc_g, acc_u, beta, linear_beta, ACT)
     if SWAP_OUT:
         h = to_pair_order(h)
-    out = inter_ptr + pair[:, None].to(tl.int64) * stride_im + dest[None, :]
-    tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < inter_size)[None, :])
+    out = inter_ptr + tile.pair[:, None].to(tl.int64) * stride_im + dest[None, :]
+    tl.store(out, cast_to(h, inter_ptr.dtype.element_ty), mask=tile.ok[:, None] & (offs_n < inter_size)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -335,14 +332,14 @@ def stage1_aligned_kernel(
     order of OUT_ORDER-wide tiles (what stage 2's word dots read). Padded rows are not stored.
     WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
-    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
-    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
-    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
     TAIL_M: tl.constexpr = BLOCK_ROWS & -BLOCK_ROWS if BLOCK_ROWS & (BLOCK_ROWS - 1) else 0  # module docstring
     BLOCK_M: tl.constexpr = BLOCK_ROWS - TAIL_M
+    cfg: tl.constexpr = TileConfig(WeightCode(WEIGHT_FMT[WEIGHTS], WEIGHT_OFFSETS[WEIGHTS], WEIGHT_DECODE[WEIGHTS]),
+                                   SWAP, ORDER, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
-    live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
-                                                         num_pairs, num_ids, num_local, PATH, BLOCK_M, TAIL_M)
+    routing = Routing(sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr)
+    live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH, BLOCK_M,
+                                                         TAIL_M)
     if not live:
         return
     x_rows = x_ptr + (pair // TOPK).to(tl.int64)[:, None] * stride_xm
@@ -359,23 +356,19 @@ def stage1_aligned_kernel(
     up_so = gate_so + inter_size * stride_sn
     gate_s = s_ptr + gate_so
     up_s = s_ptr + up_so
-    gate_o = o_ptr + gate_so
-    up_o = o_ptr + up_so
-    x_words = x_rows + tl.arange(0, BLOCK_K // 8)[None, :]
-    x_plain = x_rows + tl.arange(0, BLOCK_K)[None, :]
-    xt_words = xt_rows + tl.arange(0, BLOCK_K // 8)[None, :]
-    xt_plain = xt_rows + tl.arange(0, BLOCK_K)[None, :]
+    gate = WeightTile(gate_rows, gate_s, o_ptr + gate_so, mask_n)
+    up = WeightTile(up_rows, up_s, o_ptr + up_so, mask_n)
+    main = RowTile(x_rows, x_rows + tl.arange(0, BLOCK_K // 8)[None, :], x_rows + tl.arange(0, BLOCK_K)[None, :],
+                   ka, row_ok, pair)
+    tail = RowTile(xt_rows, xt_rows + tl.arange(0, BLOCK_K // 8)[None, :], xt_rows + tl.arange(0, BLOCK_K)[None, :],
+                   ka, row_ok_t, pair_t)
     tl.static_assert(ORDER != ORDER_PLAIN_INTER, "plain-inter is stage 2's")
     if ORDER == ORDER_STACKED:
-        acc_g, acc_u, acc_gt, acc_ut = _gate_up_stacked(
-            x_plain, row_ok, xt_plain, row_ok_t, w_ptr, stride_wn, s_ptr, stride_sn, o_ptr, e * stride_we,
-            e * stride_se, pid_n, inter_size, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, BLOCK_M, TAIL_M, BLOCK_N,
-            BLOCK_K)
+        expert = Expert(w_ptr, s_ptr, o_ptr, e * stride_we, e * stride_se)
+        acc_g, acc_u, acc_gt, acc_ut = _gate_up_stacked(main, tail, expert, stride_wn, stride_sn, pid_n, inter_size,
+                                                        hidden, cfg)
     else:
-        acc_g, acc_u, acc_gt, acc_ut = _gate_up_pair(
-            x_rows, x_words, x_plain, row_ok, xt_rows, xt_words, xt_plain, row_ok_t, ka, gate_rows, gate_s,
-            gate_o, up_rows, up_s, up_o, mask_n, hidden, FMT, HAS_OFFSETS, DECODE, SWAP, ORDER,
-            BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
+        acc_g, acc_u, acc_gt, acc_ut = _gate_up_pair(main, tail, gate, up, hidden, cfg)
     # pair order swapped in registers needs whole 32-groups in the tile; a 16-wide one scatters
     SWAP_OUT: tl.constexpr = OUT_ORDER == ORDER_PAIRS and BLOCK_N % 32 == 0
     if OUT_ORDER == ORDER_PAIRS:
@@ -387,68 +380,63 @@ def stage1_aligned_kernel(
         dest = offs_n
     else:
         dest = word_position(offs_n, OUT_ORDER)
-    _store_inter(acc_g, acc_u, beta, linear_beta, ACT, inter_ptr, stride_im, pair, row_ok, offs_n, dest, inter_size,
-                 SWAP_OUT)
+    _store_inter(acc_g, acc_u, main, beta, linear_beta, ACT, inter_ptr, stride_im, offs_n, dest, inter_size, SWAP_OUT)
     if TAIL_M > 0:
-        _store_inter(acc_gt, acc_ut, beta, linear_beta, ACT, inter_ptr, stride_im, pair_t, row_ok_t, offs_n, dest,
-                     inter_size, SWAP_OUT)
+        _store_inter(acc_gt, acc_ut, tail, beta, linear_beta, ACT, inter_ptr, stride_im, offs_n, dest, inter_size,
+                     SWAP_OUT)
 
 
 @triton.jit
-def _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t, ka, w_ptr,
-                 w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn: tl.constexpr, y_ptr, stride_ym, topk_w_ptr, n0,
-                 hidden, inter_size: tl.constexpr, xs, xts, FMT: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-                 DECODE: tl.constexpr, SWAP: tl.constexpr, ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
-                 TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr):
+def _stage2_tile(main, tail, xs, xts, expert, stride_wn, stride_sn: tl.constexpr, n0, y_ptr, stride_ym, topk_w_ptr,
+                 hidden, inter_size: tl.constexpr, cfg, UNROLL_K: tl.constexpr):
     """One tile of y starting at column n0 (BLOCK_M main rows, TAIL_M tail rows on the same decoded
-    weights): the K loop and the store."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    weights): the K loop and the store. main, tail: RowTile; xs, xts: their K steps when already
+    loaded; expert: Expert; cfg: TileConfig (_details/groups.py)."""
+    offs_n = n0 + tl.arange(0, cfg.BLOCK_N)
     mask_n = (offs_n < hidden)[:, None]
-    w_rows = w_ptr + w_base + offs_n[:, None].to(tl.int64) * stride_wn
-    so = s_base + offs_n[:, None].to(tl.int64) * stride_sn
-    s_rows = s_ptr + so
-    o_rows = o_ptr + so
-    acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-    if TAIL_M > 0:
-        acc_t = acc_zeros(TAIL_M, BLOCK_N, SWAP)
+    w_rows = expert.w + expert.w_base + offs_n[:, None].to(tl.int64) * stride_wn
+    so = expert.s_base + offs_n[:, None].to(tl.int64) * stride_sn
+    w = WeightTile(w_rows, expert.s + so, expert.o + so, mask_n)
+    acc = acc_zeros(cfg.BLOCK_M, cfg.BLOCK_N, cfg.SWAP)
+    if cfg.TAIL_M > 0:
+        acc_t = acc_zeros(cfg.TAIL_M, cfg.BLOCK_N, cfg.SWAP)
     if UNROLL_K:  # the caller's tile loop is the pipelined one: all of K in one iteration
-        for i in tl.static_range(inter_size // BLOCK_K):
-            if ORDER == ORDER_PAIRS or ORDER == ORDER_PLAIN_INTER:  # loaded once for all tiles (xs, the tail's xts)
+        for i in tl.static_range(inter_size // cfg.BLOCK_K):
+            if cfg.ORDER == ORDER_PAIRS or cfg.ORDER == ORDER_PLAIN_INTER:  # loaded once for all tiles
                 x = (xs[i],)
             else:
-                x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, i * BLOCK_K, ORDER, BLOCK_K)
-            w = _load_w_step(w_rows, s_rows, o_rows, i * BLOCK_K, mask_n, FMT, HAS_OFFSETS, DECODE, ORDER,
-                             BLOCK_N, BLOCK_K)
-            acc = _dot_step(acc, x, w, SWAP, ORDER)
-            if TAIL_M > 0:
-                if ORDER == ORDER_PAIRS or ORDER == ORDER_PLAIN_INTER:
+                x = _load_x_step(main, i * cfg.BLOCK_K, cfg)
+            ws = _load_w_step(w, i * cfg.BLOCK_K, cfg)
+            acc = _dot_step(acc, x, ws, cfg)
+            if cfg.TAIL_M > 0:
+                if cfg.ORDER == ORDER_PAIRS or cfg.ORDER == ORDER_PLAIN_INTER:
                     xt = (xts[i],)
                 else:
-                    xt = _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, i * BLOCK_K, ORDER, BLOCK_K)
-                acc_t = _dot_step(acc_t, xt, w, SWAP, ORDER)
+                    xt = _load_x_step(tail, i * cfg.BLOCK_K, cfg)
+                acc_t = _dot_step(acc_t, xt, ws, cfg)
     else:
-        for k0 in range(0, inter_size, BLOCK_K):
-            x = _load_x_step(a_rows, a_words, a_plain, row_ok, ka, k0, ORDER, BLOCK_K)
-            if TAIL_M > 0:
-                xt = _load_x_step(at_rows, at_words, at_plain, row_ok_t, ka, k0, ORDER, BLOCK_K)
-            w = _load_w_step(w_rows, s_rows, o_rows, k0, mask_n, FMT, HAS_OFFSETS, DECODE, ORDER, BLOCK_N, BLOCK_K)
-            acc = _dot_step(acc, x, w, SWAP, ORDER)
-            if TAIL_M > 0:
-                acc_t = _dot_step(acc_t, xt, w, SWAP, ORDER)
-    _store_y(acc, pair, row_ok, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP)
-    if TAIL_M > 0:
-        _store_y(acc_t, pair_t, row_ok_t, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP)
+        for k0 in range(0, inter_size, cfg.BLOCK_K):
+            x = _load_x_step(main, k0, cfg)
+            if cfg.TAIL_M > 0:
+                xt = _load_x_step(tail, k0, cfg)
+            ws = _load_w_step(w, k0, cfg)
+            acc = _dot_step(acc, x, ws, cfg)
+            if cfg.TAIL_M > 0:
+                acc_t = _dot_step(acc_t, xt, ws, cfg)
+    _store_y(acc, main, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, cfg.SWAP)
+    if cfg.TAIL_M > 0:
+        _store_y(acc_t, tail, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, cfg.SWAP)
 
 
 @triton.jit
-def _store_y(acc, pair, row_ok, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP: tl.constexpr):
-    """Stage 2's epilogue on one row tile: scaled by the router weight, stored per pair (real rows only)."""
+def _store_y(acc, tile, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP: tl.constexpr):
+    """Stage 2's epilogue on one RowTile: scaled by the router weight, stored per pair (real rows only)."""
     if SWAP:
         acc = tl.trans(acc)
-    gate = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    gate = tl.load(topk_w_ptr + tile.pair, mask=tile.ok, other=0.0).to(tl.float32)
     acc = acc * gate[:, None]
-    out = y_ptr + pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(out, cast_to(acc, y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n < hidden)[None, :])
+    out = y_ptr + tile.pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(out, cast_to(acc, y_ptr.dtype.element_ty), mask=tile.ok[:, None] & (offs_n < hidden)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -477,14 +465,14 @@ def stage2_aligned_kernel(
     WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: _details/pdl.py."""
     enter(PDL)
     tl.static_assert(ORDER != ORDER_STACKED, "stacked is stage 1's")
-    FMT: tl.constexpr = WEIGHT_FMT[WEIGHTS]
-    HAS_OFFSETS: tl.constexpr = WEIGHT_OFFSETS[WEIGHTS]
-    DECODE: tl.constexpr = WEIGHT_DECODE[WEIGHTS]
     TAIL_M: tl.constexpr = BLOCK_ROWS & -BLOCK_ROWS if BLOCK_ROWS & (BLOCK_ROWS - 1) else 0  # module docstring
     BLOCK_M: tl.constexpr = BLOCK_ROWS - TAIL_M
+    cfg: tl.constexpr = TileConfig(WeightCode(WEIGHT_FMT[WEIGHTS], WEIGHT_OFFSETS[WEIGHTS], WEIGHT_DECODE[WEIGHTS]),
+                                   SWAP, ORDER, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
-    live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr,
-                                                         num_pairs, num_ids, num_local, PATH, BLOCK_M, TAIL_M)
+    routing = Routing(sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr)
+    live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH, BLOCK_M,
+                                                         TAIL_M)
     if not live:
         return
     ka = word_k_offsets(BLOCK_K)
@@ -493,31 +481,26 @@ def stage2_aligned_kernel(
         at_rows = inter_ptr + pair_t[:, None].to(tl.int64) * stride_im
     else:
         at_rows = a_rows
-    a_words = a_rows + tl.arange(0, BLOCK_K // 8)[None, :]
-    a_plain = a_rows + tl.arange(0, BLOCK_K)[None, :]
-    at_words = at_rows + tl.arange(0, BLOCK_K // 8)[None, :]
-    at_plain = at_rows + tl.arange(0, BLOCK_K)[None, :]
-    w_base = e * stride_we
-    s_base = e * stride_se
+    main = RowTile(a_rows, a_rows + tl.arange(0, BLOCK_K // 8)[None, :], a_rows + tl.arange(0, BLOCK_K)[None, :],
+                   ka, row_ok, pair)
+    tail = RowTile(at_rows, at_rows + tl.arange(0, BLOCK_K // 8)[None, :], at_rows + tl.arange(0, BLOCK_K)[None, :],
+                   ka, row_ok_t, pair_t)
+    expert = Expert(w_ptr, s_ptr, o_ptr, e * stride_we, e * stride_se)
     xs = ()
     xts = ()
     if N_TILES == 1:
-        _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t, ka,
-                     w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym, topk_w_ptr,
-                     pid_g * BLOCK_N, hidden, inter_size, xs, xts, FMT, HAS_OFFSETS, DECODE, SWAP, ORDER,
-                     BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, False)
+        _stage2_tile(main, tail, xs, xts, expert, stride_wn, stride_sn, pid_g * BLOCK_N, y_ptr, stride_ym, topk_w_ptr,
+                     hidden, inter_size, cfg, False)
     else:
         # the block's activations, all of K, loaded once for its N tiles
         if ORDER == ORDER_PAIRS or ORDER == ORDER_PLAIN_INTER:
             for k0 in tl.static_range(0, inter_size, BLOCK_K):
-                xs = xs + _load_x_pairs(a_plain, row_ok, k0, ORDER == ORDER_PLAIN_INTER)
+                xs = xs + _load_x_pairs(main, k0, ORDER == ORDER_PLAIN_INTER)
                 if TAIL_M > 0:
-                    xts = xts + _load_x_pairs(at_plain, row_ok_t, k0, ORDER == ORDER_PLAIN_INTER)
+                    xts = xts + _load_x_pairs(tail, k0, ORDER == ORDER_PLAIN_INTER)
         for t in range(0, N_TILES):
-            _stage2_tile(a_rows, a_words, a_plain, row_ok, pair, at_rows, at_words, at_plain, row_ok_t, pair_t,
-                         ka, w_ptr, w_base, stride_wn, s_ptr, o_ptr, s_base, stride_sn, y_ptr, stride_ym,
-                         topk_w_ptr, (pid_g * N_TILES + t) * BLOCK_N, hidden, inter_size, xs, xts, FMT, HAS_OFFSETS,
-                         DECODE, SWAP, ORDER, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K, True)
+            _stage2_tile(main, tail, xs, xts, expert, stride_wn, stride_sn, (pid_g * N_TILES + t) * BLOCK_N, y_ptr,
+                         stride_ym, topk_w_ptr, hidden, inter_size, cfg, True)
 
 
 @triton.jit
