@@ -135,7 +135,12 @@ def test_the_pipelining_check_flags_a_loop_that_waits_for_its_own_loads():
             " v_mfma_f32_16x16x32_bf16 v[8:11], v[0:3], v[0:3], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
     pipelined = ".LBB0_1:\n s_waitcnt vmcnt(0)\n v_mov_b32 v12, v0\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \
                 " v_mfma_f32_16x16x32_bf16 v[8:11], v[12:15], v[12:15], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
+    # rotated by the compiler: the next block's loads at the top, the wait after every MFMA of the pass
+    rotated = ".LBB0_2:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \
+              " v_mfma_f32_16x16x16_bf16 v[8:11], v[12:13], v[12:13], v[8:11]\n s_waitcnt vmcnt(0)\n" \
+              " v_mov_b64_e32 v[12:13], v[0:1]\n s_cbranch_scc0 .LBB0_2\n"
     assert artifacts.k_loop_self_waits(waits) and artifacts.k_loop_self_waits(pipelined) == []
+    assert artifacts.k_loop_self_waits(rotated) == []
 
 
 MOE = [c for c in CONFIGS if c.stage]

@@ -144,10 +144,12 @@ _VMCNT_RE = re.compile(r"^\s*s_waitcnt\s.*vmcnt\((\d+)\)")
 
 
 def k_loop_self_waits(isa: str) -> list[str]:
-    """Where a K loop (a block of MFMAs that branches back to its own label) waits for loads it issued
-    itself in the same pass: `s_waitcnt vmcnt(n)` after its k-th global load with n < k. A pipelined
-    loop only waits for the loads of the pass before (at its top, before it issues the next block's),
-    so its MFMAs never stall on the block being prefetched. Empty: every K loop is pipelined."""
+    """Where a K loop (a block of MFMAs that branches back to its own label) makes MFMAs wait for
+    loads it issued itself in the same pass: `s_waitcnt vmcnt(n)` after its k-th global load with
+    n < k, with an MFMA after it in the pass. A pipelined loop waits only for the loads of the pass
+    before (at its top, before it issues the next block's) or, rotated by the compiler, for its own
+    loads once all of its MFMAs are issued (the next pass computes on them); either way the MFMAs
+    never stall on the block being prefetched. Empty: every K loop is pipelined."""
     lines = isa.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL_RE.match(line))}
     found = []
@@ -160,10 +162,11 @@ def k_loop_self_waits(isa: str) -> list[str]:
         if not any("v_mfma" in b for b in body):
             continue
         issued = 0
-        for b in body:
+        for i, b in enumerate(body):
             if _GLOBAL_LOAD_RE.match(b):
                 issued += 1
-            elif (w := _VMCNT_RE.match(b)) and issued and int(w.group(1)) < issued:
+            elif (w := _VMCNT_RE.match(b)) and issued and int(w.group(1)) < issued \
+                    and any("v_mfma" in later for later in body[i + 1:]):
                 found.append(f"loop {m.group(1)}: '{b.strip()}' after {issued} loads of the same pass")
                 break
     return found
