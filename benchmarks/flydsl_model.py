@@ -150,12 +150,21 @@ def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto") ->
                d * weight_bytes(weight_format, 2 * I, H) + tokens * H * 2 + rows * I * 2 + rows * 4,
                mfma_per_wave(arch, s1.BM, 2 * s1.BN, H, s1.workgroup_waves, int4_tiles(s1))),
         # stage 2's output: a bf16 row per (token, slot), or fp32 atomic adds into [T, H] counted once
-        # (the convention aiter's row uses for its bf16 adds; atomic throughput is not modelled)
+        # (the convention aiter's row uses for its bf16 adds; atomic throughput is not modelled);
+        # fused, it reads the slot rows back and writes the bf16 output (token_sum_bytes)
         Launch("stage 2", k2, math.ceil(blocks * (H // s2.BN)),
                d * weight_bytes(weight_format, H, I) + rows * I * 2 + rows * 4
-               + (tokens * TOP_K * H * 2 if s2.reduce == "slots" else tokens * H * 4),
+               + (tokens * TOP_K * H * 2 if s2.slot_rows else tokens * H * 4)
+               + (token_sum_bytes(s2, tokens) if s2.sums_tokens else 0),
                mfma_per_wave(arch, s2.BM, s2.BN, I // s2.split_k, s2.workgroup_waves, int4_tiles(s2))),
     ]
+
+
+def token_sum_bytes(s2, tokens: int) -> int:
+    """What a fused stage 2 moves through HBM besides its GEMM: each token's slot rows read back, its
+    bf16 output, the slots' local experts and the arrival counters once each (every column tile
+    rereads the same few KB from L2; the atomics' own throughput is not modelled)."""
+    return tokens * TOP_K * H * 2 + tokens * H * 2 + tokens * TOP_K * 4 + (tokens + 1) * (H // s2.BN) * 4
 
 
 def peer_launches(arch: str, tokens: int, kernels: dict) -> list[Launch]:
@@ -413,7 +422,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "out" / "flydsl_model"), help="ISA and JSON folder")
     parser.add_argument("--tokens", default=",".join(map(str, TIERS)), help="comma-separated token counts")
     parser.add_argument("--fresh", action="store_true", help="recompile even where an ISA file exists")
-    parser.add_argument("--reduce", default="auto", choices=("auto", "slots", "atomic"),
+    parser.add_argument("--reduce", default="auto", choices=("auto", "slots", "fused", "atomic"),
                         help="our top-k sum: the tile table's per-tier choice (auto) or one at every tier")
     parser.add_argument("--peer-compile", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

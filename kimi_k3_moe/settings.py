@@ -25,7 +25,7 @@ ACT_DTYPES = ("bf16", "fp8", "fp4")
 SELF_CHECK_MODES = ("fallback", "strict", "off")
 VALIDATE_MODES = ("on", "off")
 CHECK_IDS_MODES = ("off", "on")
-REDUCE_MODES = ("auto", "slots", "atomic")
+REDUCE_MODES = ("auto", "slots", "fused", "atomic")
 
 # name -> (allowed values, default); "" as default means "unset: no forcing"
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {

@@ -1,7 +1,9 @@
 """The FlyDSL backend as a tune target.
 
 Candidates per token tier: the packaged tier's tiles, then alignment blocks and
-per-stage tiles around them, then the best stage 1 with the best stage 2. Each
+per-stage tiles around them, then the best stage 1 with the best stage 2, and that
+pair with the other deterministic top-k sum (reduce "fused" where the tier's is "slots",
+and back). Each
 candidate's two kernels are compiled in a subprocess (an LLVM abort loses one
 config, not the run); a kernel that does not compile, or uses scratch
 (spills), is skipped. On an AMD GPU the candidates run there; without one the
@@ -29,7 +31,7 @@ STAGE2 = ({"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": False}, {"waves": 4,
 
 
 def _key(t: Tier) -> str:
-    return json.dumps({"BM": t.BM, "stage1": t.stage1, "stage2": t.stage2}, sort_keys=True)
+    return json.dumps({"BM": t.BM, "stage1": t.stage1, "stage2": t.stage2, "reduce": t.reduce}, sort_keys=True)
 
 
 class FlyDSLTarget:
@@ -61,16 +63,18 @@ class FlyDSLTarget:
         return tiles.stage_configs(self.arch, self.weight_format, hidden=s.hidden, inter=s.inter, top_k=s.topk,
                                    num_tokens=tier, activation=self.activation, has_offsets=self.prepared.has_offsets,
                                    table=tiles.load_table({self.arch: [{"max_tokens": None, "BM": t.BM,
-                                                                         "stage1": t.stage1, "stage2": t.stage2}]}))
+                                                                         "stage1": t.stage1, "stage2": t.stage2,
+                                                                         "reduce": t.reduce}]}))
 
     def candidates(self, tier: int, done: dict) -> list[Candidate]:
         base = tiles.tier_for(self.arch, tier, tiles.default_table())
         keep = {k: v for k, v in base.stage1.items() if k not in tiles.TILE_FIELDS}
         keep2 = {k: v for k, v in base.stage2.items() if k not in tiles.TILE_FIELDS}
-        first = [Tier(tier, base.BM, base.stage1, base.stage2)]
-        first += [Tier(tier, bm, base.stage1, base.stage2) for bm in BMS if bm != base.BM]
-        first += [Tier(tier, base.BM, {**s1, **keep}, base.stage2) for s1 in STAGE1]
-        first += [Tier(tier, base.BM, base.stage1, {**s2, **keep2}) for s2 in STAGE2]
+        r = base.reduce
+        first = [Tier(tier, base.BM, base.stage1, base.stage2, reduce=r)]
+        first += [Tier(tier, bm, base.stage1, base.stage2, reduce=r) for bm in BMS if bm != base.BM]
+        first += [Tier(tier, base.BM, {**s1, **keep}, base.stage2, reduce=r) for s1 in STAGE1]
+        first += [Tier(tier, base.BM, base.stage1, {**s2, **keep2}, reduce=r) for s2 in STAGE2]
         cands = [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} s1 {_tag(t.stage1)} s2 {_tag(t.stage2)}")
                  for t in first]
         cands = list({c.key: c for c in cands}.values())[:self.max_per_round or None]
@@ -84,8 +88,12 @@ class FlyDSLTarget:
             b2 = min(((done[c.key]["us"], c.config.stage2) for c in cands if c.config.BM == best.BM
                       and c.config.stage1 == best.stage1 and done.get(c.key, {}).get("status") == TIMED),
                      key=lambda x: x[0])[1]
-            t = Tier(tier, best.BM, b1, b2)
+            t = Tier(tier, best.BM, b1, b2, reduce=r)
             cands.append(Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} best s1 + best s2"))
+            other = {"slots": "fused", "fused": "slots"}.get(r)
+            if other:
+                t = Tier(tier, best.BM, b1, b2, reduce=other)
+                cands.append(Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} best s1 + best s2, reduce {other}"))
         return cands
 
     def compile(self, cand: Candidate) -> tuple[bool, str]:
@@ -124,7 +132,7 @@ class FlyDSLTarget:
 
     def packaged(self, tier: int) -> dict:
         base = tiles.tier_for(self.arch, tier, tiles.default_table())
-        return {"config": {"BM": base.BM, "stage1": base.stage1, "stage2": base.stage2}}
+        return {"config": {"BM": base.BM, "stage1": base.stage1, "stage2": base.stage2, "reduce": base.reduce}}
 
     def entries(self, chosen: dict) -> tuple[str, dict]:
         rows = []
@@ -133,7 +141,8 @@ class FlyDSLTarget:
             cand, info = chosen[tier]
             cfg = asdict(cand.config) if cand is not None else info["config"]
             rows.append({"max_tokens": tier if n < len(tiers) - 1 else None, "BM": cfg["BM"],
-                         "stage1": cfg["stage1"], "stage2": cfg["stage2"], "tuned_at_tokens": tier,
+                         "stage1": cfg["stage1"], "stage2": cfg["stage2"], "reduce": cfg.get("reduce", "slots"),
+                         "tuned_at_tokens": tier,
                          **{k: v for k, v in info.items() if k != "config"}})
         s = self.shape
         return tiles.shape_key(self.weight_format, s.hidden, s.inter, s.topk), {"tiers": rows}

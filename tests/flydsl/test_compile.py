@@ -130,6 +130,31 @@ def test_load_first_k_loops_issue_every_load_before_the_staged_tiles_barrier(com
     assert artifacts.k_loop_loads_after_first_barrier(chunked) == 1
 
 
+SUMMING = [c for c in CONFIGS if getattr(c, "sums_tokens", False)]
+
+
+@pytest.mark.parametrize("cfg", SUMMING, ids=[c.name for c in SUMMING])
+def test_token_summing_stage_2_releases_before_counting_and_acquires_before_reading(compiled, cfg):
+    """LLVM's AMDGPU memory model spells the kernel's agent-scope fences: each XCD's L2 written back
+    before a workgroup counts its arrival, and invalidated before the last one reads the token's rows."""
+    text = Path(compiled[cfg.name].report["isa_file"]).read_text()
+    assert artifacts.token_sum_ordering(text) == []
+
+
+def test_the_ordering_check_flags_a_missing_release_or_acquire():
+    good = ("buffer_store_dwordx2 v[0:1], v2, s[0:3], 0 offen\n buffer_wbl2 sc1\n s_waitcnt vmcnt(0)\n s_barrier\n"
+            " global_atomic_add v3, v[4:5], v6, off sc0\n s_waitcnt vmcnt(0)\n s_barrier\n buffer_inv sc1\n"
+            " buffer_load_dwordx2 v[0:1], v2, s[0:3], 0 offen\n")
+    assert artifacts.token_sum_ordering(good) == []
+    for wrong in (good.replace(" buffer_wbl2 sc1\n", ""), good.replace(" buffer_inv sc1\n", ""),
+                  good.replace(" s_barrier\n global", " global"),
+                  good.replace(" s_barrier\n global", " s_barrier\n buffer_store_dword v1, v2, s[0:3], 0 offen\n global"),
+                  good.replace(" buffer_inv sc1\n buffer_load_dwordx2 v[0:1], v2, s[0:3], 0 offen\n",
+                               " buffer_load_dwordx2 v[0:1], v2, s[0:3], 0 offen\n buffer_inv sc1\n"),
+                  good.replace(" off sc0", " off")):
+        assert artifacts.token_sum_ordering(wrong), wrong
+
+
 def test_the_pipelining_check_flags_a_loop_that_waits_for_its_own_loads():
     waits = ".LBB0_1:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n s_waitcnt vmcnt(0)\n" \
             " v_mfma_f32_16x16x32_bf16 v[8:11], v[0:3], v[0:3], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"

@@ -140,23 +140,29 @@ class LaunchRecorder:
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+@pytest.mark.parametrize("reduce", ["auto", "fused"])
 @pytest.mark.parametrize("tokens", [1, 3, 16, 40, 65])
-def test_a_forward_is_three_launches_direct_four_up_to_16_tokens_and_five_above(gen, arch, tokens, monkeypatch):
+def test_a_forward_is_three_launches_up_to_256_pairs_and_four_above_fused(gen, arch, tokens, reduce, monkeypatch):
+    """bf16 rows (what the engines pass): a direct tier is stage 1, stage 2 and the top-k sum; an
+    aligned one the alignment (one launch up to alignment.SMALL_PAIRS pairs, else two), the two
+    stages and the top-k sum, which reduce "fused" folds into stage 2. No PyTorch op computes."""
     prep = prepared_layer(gen, arch)
     x, tw, ids = random_routing(gen, tokens, E, K, H)
     x = x.to(torch.bfloat16)
     # twice: the second forward finds the two-launch alignment's counters as the first left them
     for _ in range(2):
-        assert relative_l2(emulate(prep, arch, x, tw, ids, SITU).float(),
+        assert relative_l2(emulate(prep, arch, x, tw, ids, SITU, reduce=reduce).float(),
                            float_reference(prep, x.float(), tw, ids, SITU)) < REF_BOUND
     rec = LaunchRecorder(monkeypatch)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        pipeline.moe_forward(prep, x, tw, ids, SITU, None, arch=arch, launch=rec.flydsl)
+        pipeline.moe_forward(prep, x, tw, ids, SITU, None, arch=arch, launch=rec.flydsl, reduce=reduce)
     direct = tokens <= max(t["max_tokens"] for t in raw_tiers(arch) if t.get("direct"))
-    want = ([] if direct else ["align.small"] if tokens * K <= 256 else
-            ["align.count", "align.scatter"])
-    assert rec.labels[:len(want)] == want and len(rec.labels) == len(want) + 3, rec.labels
-    assert rec.labels[-1] == "stage2.reduce"
+    fused = reduce == "fused" and not direct
+    want = ([] if direct else ["align.small"] if tokens * K <= 256 else ["align.count", "align.scatter"])
+    want += ["s1", "s2"] + ([] if fused else ["stage2.reduce"])
+    got = [label if label.startswith(("align", "stage2.")) else label.split("_")[1] for label in rec.labels]
+    assert got == want, rec.labels
+    assert len(got) <= (3 if tokens * K <= 256 else 4) or not fused
     ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
     assert ops <= ALLOCATE_OR_VIEW, ops - ALLOCATE_OR_VIEW
 
@@ -181,6 +187,40 @@ def test_the_atomic_top_k_sum_is_one_launch_more_and_no_pytorch_op(gen, arch, mo
         and len(rec.labels) == 5, rec.labels
     ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
     assert ops <= ALLOCATE_OR_VIEW, ops - ALLOCATE_OR_VIEW
+
+
+ALIGNED_TIERS = [(arch, i) for arch in ("gfx942", "gfx950") for i, t in enumerate(raw_tiers(arch))
+                 if not t.get("direct")]
+
+
+@pytest.mark.parametrize("arch,tier", ALIGNED_TIERS)
+def test_the_fused_top_k_sum_matches_the_sum_kernel_bit_for_bit_in_any_workgroup_order(gen, arch, tier):
+    """reduce "fused" (each token written by the stage-2 workgroup that completes it) equals the separate
+    top-k sum kernel's output bit for bit whatever order the workgroups finish in: every slot here,
+    slots on other ranks and tokens with none here (expert map: the alignment zeroes their rows), the
+    two-launch alignment (it zeroes the counters, so a second forward gives the same bits). SiLU and
+    SiTUv2 differ. Outputs that are not bf16 take the separate sum."""
+    prep = prepared_layer(gen, arch)
+    tiles_ = only_tier(arch, tier)
+    expert_map = torch.full((2 * E,), -1, dtype=torch.int32)
+    expert_map[torch.randperm(2 * E, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+    results = {}
+    for tokens, emap, act in ((9, None, SITU), (70, expert_map, SITU), (9, None, SILU)):
+        x, tw, ids = random_routing(gen, tokens, 2 * E if emap is not None else E, K, H)
+        x = x.to(torch.bfloat16)
+        kw = dict(expert_map=emap, table=tiles_)
+        separate = emulate(prep, arch, x, tw, ids, act, reduce="slots", **kw)
+        for order in (None, gen, gen):
+            launch = emulator.launch if order is None else lambda cfg, args: emulator.launch(cfg, args, shuffle=order)
+            fused = pipeline.moe_forward(prep, x, tw, ids, act, emap, arch=arch, launch=launch, table=tiles_,
+                                         reduce="fused")
+            assert torch.equal(fused, separate), (tokens, relative_l2(fused.float(), separate.float()))
+        assert relative_l2(fused.float(), float_reference(prep, x.float(), tw, ids, act, emap)) < REF_BOUND
+        results[tokens, act.name] = fused
+    assert relative_l2(results[9, "silu"].float(), results[9, "situv2"].float()) > 0.05
+    c2 = tiles.stage_configs(arch, prep.weight_format, hidden=H, inter=I, top_k=K, num_tokens=9, activation=SITU,
+                             reduce="fused", table=tiles_, bf16_out=False)[1]
+    assert c2.reduce == "slots"
 
 
 def test_asymmetric_int4_offsets_are_honoured(gen):

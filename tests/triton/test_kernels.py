@@ -76,6 +76,25 @@ def test_alignment_groups_every_pair_once(with_map, block_ms, small, gen, monkey
         assert slots[0] == slots[1]
 
 
+@pytest.mark.parametrize("small", [True, False])
+def test_the_alignment_zeroes_the_rest_of_a_book_it_is_given(gen, monkeypatch, small):
+    """`book`: local experts at its start, zeros after them (the FlyDSL stage 2's counters and fp32
+    accumulator), from every program of the two-launch alignment; a wrong book is refused."""
+    if not small:
+        monkeypatch.setattr(alignment, "SMALL_PAIRS", 0)
+        monkeypatch.setattr(alignment, "BLOCK", 16)
+    _, ids = _data.routing(gen, 37, 6, 3)
+    book = torch.full((ids.numel() + 3000,), 7, dtype=torch.int32)
+    (pairs,), launches = alignment.align_launches(ids, None, 6, (16,), book)
+    for launch in launches:
+        launch()
+    assert torch.equal(book[:ids.numel()], ids.reshape(-1).int()) and pairs.local.data_ptr() == book.data_ptr()
+    assert not book[ids.numel():].any()
+    for wrong in (book.long(), book[:ids.numel() - 1], book.view(-1, 1)):
+        with pytest.raises(ValueError, match="book must be"):
+            alignment.align_launches(ids, None, 6, (16,), wrong)
+
+
 def test_dirty_counters_give_wrong_rows_but_no_write_outside(gen, monkeypatch):
     """Counters a stopped forward left non-zero (the ticket never reaching the last program, so the
     first rows are never written): the placing launch keeps every row inside the buffers."""

@@ -172,6 +172,43 @@ def k_loop_self_waits(isa: str) -> list[str]:
     return found
 
 
+_STORE_RE = re.compile(r"^(buffer|global)_(store|atomic)")
+
+
+def token_sum_ordering(isa: str) -> list[str]:
+    """What is wrong with a token-summing stage 2's memory ordering (empty: nothing). Its one returning
+    `global_atomic_add` (the arrival count) must come after `buffer_wbl2 sc1` (this XCD's L2 written
+    back), `s_waitcnt vmcnt(0)` (every store and atomic done) and `s_barrier` (every wave's), in that
+    order with no store or atomic between the write-back and the count; and `buffer_inv sc1` must
+    come after it, before any global load (reading what other XCDs wrote, not a stale L2 line)."""
+    ops = [line.split(";")[0].strip() for line in isa.splitlines()]
+    ops = [op for op in ops if op and not op.startswith(".") and not op.endswith(":")]
+    counts = [i for i, op in enumerate(ops) if op.startswith("global_atomic_add ") and op.endswith(" sc0")]
+    if len(counts) != 1:
+        return [f"{len(counts)} returning global_atomic_add, expected the one arrival count"]
+    at = counts[0]
+    problems = []
+    wb = max((i for i, op in enumerate(ops[:at]) if re.match(r"buffer_wbl2\b.*\bsc1\b", op)), default=None)
+    if wb is None:
+        problems.append("no buffer_wbl2 sc1 before the arrival count")
+    else:
+        between = ops[wb + 1:at]
+        wait = next((i for i, op in enumerate(between) if re.match(r"s_waitcnt\b.*vmcnt\(0\)", op)), None)
+        barrier = next((i for i, op in enumerate(between) if op.startswith("s_barrier")), None)
+        if wait is None or barrier is None or wait > barrier:
+            problems.append("the write-back is not followed by s_waitcnt vmcnt(0) and then s_barrier")
+        if any(_STORE_RE.match(op) for op in between):
+            problems.append("a store or atomic between the write-back and the arrival count")
+    after = ops[at + 1:]
+    inv = next((i for i, op in enumerate(after) if re.match(r"buffer_inv\b.*\bsc1\b", op)), None)
+    load = next((i for i, op in enumerate(after) if _GLOBAL_LOAD_RE.match(op)), None)
+    if inv is None:
+        problems.append("no buffer_inv sc1 after the arrival count")
+    elif load is not None and load < inv:
+        problems.append(f"'{after[load]}' reads before buffer_inv sc1")
+    return problems
+
+
 def k_loop_loads_after_first_barrier(isa: str) -> int:
     """Global loads the K loop issues after its first `s_barrier` (the staged tile's): 0 when every
     load of an iteration is in flight before the wave waits for the tile (`KernelConfig.load_first`)."""

@@ -51,8 +51,13 @@ def placeholder_args(cfg: KernelConfig | QuantConfig) -> tuple:
     tensors = (torch.zeros(64, dtype=act_dtype), torch.zeros(64, dtype=u8), torch.zeros(64, dtype=scale_dtype),
                torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=i32), torch.zeros(4, dtype=i32),
                torch.zeros(64, dtype=f32), torch.zeros(64, dtype=y_dtype))
-    scales = (torch.zeros(4, dtype=u8), torch.zeros(4, dtype=u8)) if cfg.quantized else ()
-    return (*tensors, *scales, 1, cfg.BM, 4.0, 25.0)
+    if cfg.quantized:
+        extra = (torch.zeros(4, dtype=u8), torch.zeros(4, dtype=u8))              # AS, YS
+    elif cfg.sums_tokens:
+        extra = (torch.zeros(64, dtype=bf16), torch.zeros(64, dtype=i32))         # OUT, BOOK
+    else:
+        extra = ()
+    return (*tensors, *extra, 1, cfg.BM, 4.0, 25.0)
 
 
 def config_to_json(cfg: KernelConfig | QuantConfig) -> str:

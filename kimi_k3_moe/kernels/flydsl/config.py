@@ -25,7 +25,7 @@ from kimi_k3_moe.platform import FLYDSL_ARCHS
 MFMA = {"gfx942": "16x16x16", "gfx950": "16x16x32"}
 ACTIVATIONS = (SILU, SITUV2)
 BETA_MODES = ("const", "runtime")
-REDUCTIONS = ("slots", "atomic")
+REDUCTIONS = ("slots", "fused", "atomic")
 
 
 class UnsupportedArchError(ValueError):
@@ -63,7 +63,10 @@ class KernelConfig:
     betas: str = "const"                # situv2: "const" (baked in) | "runtime" (kernel args)
     beta: float | None = None           # const situv2 only
     linear_beta: float | None = None    # const situv2 only; None: up passes unchanged
-    reduce: str = "slots"               # stage 2: "slots" (deterministic) | "atomic" (fp32 adds)
+    # stage 2: "slots" (deterministic bf16 rows per (token, slot), summed by a launch after it) | "fused"
+    # (the same rows, summed in slot order by the workgroup that completes a token: no launch after it)
+    # | "atomic" (fp32 adds)
+    reduce: str = "slots"
     split_k: int = 1                    # stage 2 with atomic reduce only
     act_dtype: str = BF16               # "bf16" | "fp8" | "fp4": this stage's input (stage 1 also its output)
     # direct layout: block b is (token, slot) pair b alone (row 0; the rest padding) and BE holds the
@@ -146,6 +149,12 @@ class KernelConfig:
     def _check_reduction(self) -> None:
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce {self.reduce!r} not in {REDUCTIONS}")
+        if self.sums_tokens and (self.stage != 2 or self.direct or self.quantized):
+            raise ValueError("reduce='fused' is stage 2's, on aligned rows (the alignment zeroes its counters) "
+                             "and bf16 activations")
+        if self.sums_tokens and self.BN > 4 * self.threads:
+            raise ValueError(f"reduce='fused': the {self.threads} threads sum 4 columns each, fewer than "
+                             f"BN={self.BN}")
         if self.split_k == 1:
             return
         if self.stage == 1:
@@ -191,6 +200,16 @@ class KernelConfig:
     @property
     def quantized(self) -> bool:
         return self.act_dtype != BF16
+
+    @property
+    def sums_tokens(self) -> bool:
+        """Stage 2 writes the forward's output itself (reduce "fused")."""
+        return self.reduce == "fused"
+
+    @property
+    def slot_rows(self) -> bool:
+        """Stage 2 stores a bf16 row per (token, slot) (reduce "slots" or "fused")."""
+        return self.reduce != "atomic"
 
     @property
     def BN(self) -> int:

@@ -101,6 +101,19 @@ class _Buffer:
         f32 = self.bytes.view(torch.float32)
         f32.index_add_(0, (self.base + off[inside]) // 4, values.reshape(-1)[inside].float())
 
+    def count_arrivals(self, off: torch.Tensor) -> torch.Tensor:
+        """An int32 atomic +1 per lane, lane by lane (a global pointer: no range check on the GPU, so
+        every address must lie in the tensor); the values before each add."""
+        off = off.long().reshape(-1)
+        if bool((self._check(off, 4) == 0).any()) or bool((off % 4).any()):
+            raise EmulatorError(f"{self.name}: counter outside the tensor or misaligned")
+        ints = self.bytes.view(torch.int32)
+        old = torch.empty_like(off)
+        for n, i in enumerate(((self.base + off) // 4).tolist()):
+            old[n] = ints[i]
+            ints[i] += 1
+        return old
+
 
 # --------------------------------------------------------------------- instruction models
 def _words(b16: torch.Tensor) -> torch.Tensor:
@@ -304,14 +317,17 @@ def _activate(cfg: KernelConfig, gate: torch.Tensor, up: torch.Tensor, beta: flo
 
 
 # --------------------------------------------------------------------- the grid
-def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
-    """Play one kernel launch on the CPU; writes the output buffer(s) (Y, and YS when quantized) in place."""
+def launch(cfg: KernelConfig | QuantConfig, args: tuple, *, shuffle: torch.Generator | None = None) -> None:
+    """Play one kernel launch on the CPU; writes the output buffer(s) (Y, and YS when quantized; OUT and
+    BOOK's counters when stage 2 sums tokens) in place. Workgroups run one after another, in grid
+    order or, with `shuffle`, in a random order (nothing may depend on which finishes first)."""
     _check_signature(cfg, args)
     if isinstance(cfg, QuantConfig):
         _launch_quant(cfg, args)
         return
     A, W, S, OFS, SID, BE, TW, Y = args[:8]
     AS, YS = args[8:10] if cfg.quantized else (None, None)
+    OUT, BOOK = args[8:10] if cfg.sums_tokens else (None, None)
     num_tokens, num_rows, beta, lin_beta = args[-4:]
     if num_rows % cfg.BM:
         raise EmulatorError(f"num_rows {num_rows} is not a multiple of BM {cfg.BM}")
@@ -329,27 +345,51 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple) -> None:
         act = _Buffer(A, "INTER", records=num_rows * row_bytes)
         act_s = _Buffer(AS, "INTER_S", records=num_rows * (K // L.GROUP)) if q else None
         tw = _Buffer(TW, "topk_weights", records=num_tokens * cfg.top_k * 4)
-        per_token = cfg.top_k * N * 2 if cfg.reduce == "slots" else N * 4
-        out = _Buffer(Y, "SLOTS" if cfg.reduce == "slots" else "ACC", records=num_tokens * per_token)
+        per_token = cfg.top_k * N * 2 if cfg.slot_rows else N * 4
+        out = _Buffer(Y, "SLOTS" if cfg.slot_rows else "ACC", records=num_tokens * per_token)
     act = (act, act_s)
     s_bytes = 2 if cfg.weight_format == INT4 else 1
     sentinel = num_tokens * cfg.top_k
-    for bid_m in range(num_rows // cfg.BM):
+    grid = [(bid_m, bid_n, bid_k) for bid_m in range(num_rows // cfg.BM) if _live(cfg, int(BE[bid_m]))
+            for bid_n in range(N // cfg.BN) for bid_k in range(cfg.split_k)]
+    if shuffle is not None:
+        grid = [grid[i] for i in torch.randperm(len(grid), generator=shuffle).tolist()]
+    if cfg.sums_tokens:
+        sums = (_Buffer(BOOK, "BOOK"), _Buffer(OUT, "OUT", records=num_tokens * N * 2))
+    for bid_m, bid_n, bid_k in grid:
         expert = int(BE[bid_m])
-        if not _live(cfg, expert):
-            continue
         code_base = L.expert_code_base(expert, R, K)
         group_base = L.expert_group_base(expert, R, K)
         bufs = (_Buffer(W, "W", base=code_base), _Buffer(S, "S", base=group_base * s_bytes),
                 _Buffer(OFS, "OFS", base=group_base * 2) if cfg.has_offsets else None)
-        for bid_n in range(N // cfg.BN):
-            for bid_k in range(cfg.split_k):
-                _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out,
-                           None if stage1 else tw, beta, lin_beta, sentinel)
+        _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, None if stage1 else tw, beta, lin_beta, sentinel)
+        if cfg.sums_tokens:
+            _arrive_and_sum(cfg, bid_m, bid_n, sid, out, *sums, num_tokens)
+
+
+def _arrive_and_sum(cfg, bid_m, bid_n, sid, y, book, out, num_tokens):
+    """moe_gemm._arrive then _sum_token: each row counts its arrival on its token's counter for this
+    column tile; a token whose count completes here has its output written from its rows in memory."""
+    k, BN, N = cfg.top_k, cfg.BN, cfg.N
+    slots = _words(sid.load(L.sid_byte_offset(bid_m * cfg.BM + torch.arange(cfg.BM)), 4))[:, 0]
+    token = L.slot_token(slots, k)
+    local = torch.stack([_words(book.load(L.local_byte_offset(token * k + j), 4))[:, 0] for j in range(k)], 1)
+    here = local >= 0
+    old = book.count_arrivals(L.counter_byte_offset(token, bid_n, num_tokens * k, N // BN))
+    last = (slots < num_tokens * k) & (old + 1 == here.sum(1))
+    col = bid_n * BN + 4 * torch.arange(BN // 4)
+    for i in torch.nonzero(last)[:, 0].tolist():
+        t = int(token[i])
+        acc = torch.zeros(BN // 4, 4)
+        for j in range(k):
+            v = _bf16(y.load(L.slot_out_byte_offset(t * k + j, col, N), 8)).float()
+            acc = acc + torch.where(here[i, j], v, torch.zeros(()))
+        out.store(L.out_byte_offset(t, col, N), acc.to(torch.bfloat16).contiguous().view(torch.uint8))
 
 
 ARG_NAMES = ("A", "W", "S", "OFS", "SID", "BE", "TW", "Y", "num_tokens", "num_rows", "beta", "lin_beta")
 QUANTIZED_ARG_NAMES = ARG_NAMES[:8] + ("AS", "YS") + ARG_NAMES[8:]
+SUMMING_ARG_NAMES = ARG_NAMES[:8] + ("OUT", "BOOK") + ARG_NAMES[8:]
 QUANT_ARG_NAMES = ("X", "XQ", "XS", "num_groups")
 
 
@@ -361,7 +401,8 @@ def _check_signature(cfg: KernelConfig, args: tuple) -> None:
     expected = placeholder_args(cfg)
     if len(args) != len(expected):
         raise EmulatorError(f"{cfg.name}: {len(args)} arguments, the launcher takes {len(expected)}")
-    names = QUANT_ARG_NAMES if isinstance(cfg, QuantConfig) else QUANTIZED_ARG_NAMES if cfg.quantized else ARG_NAMES
+    names = (QUANT_ARG_NAMES if isinstance(cfg, QuantConfig) else QUANTIZED_ARG_NAMES if cfg.quantized
+             else SUMMING_ARG_NAMES if cfg.sums_tokens else ARG_NAMES)
     for name, got, want in zip(names, args, expected):
         if isinstance(want, torch.Tensor):
             if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.dim() != 1 \
@@ -638,7 +679,7 @@ def _epilogue_int4(cfg, wave, bid_m, bid_n, g, r, accs, out, tw, sid, beta, lin_
             for e in range(4):
                 y = acc[:, e] * weights[e]
                 n_col = n0 + coords[e][1]
-                if cfg.reduce == "slots":
+                if cfg.slot_rows:
                     out.store(L.slot_out_byte_offset(slots[e], n_col, N),
                               y.to(torch.bfloat16)[:, None].contiguous().view(torch.uint8))
                 else:
@@ -668,7 +709,7 @@ def _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta,
         n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
         for mi in range(m_rep):
             y = _lane_values(accs[ni * m_rep + mi], g, r) * weights[mi][:, None]
-            if cfg.reduce == "slots":
+            if cfg.slot_rows:
                 out.store(L.slot_out_byte_offset(slots[mi], n0 + g * 4, N),
                           y.to(torch.bfloat16).contiguous().view(torch.uint8))
             else:

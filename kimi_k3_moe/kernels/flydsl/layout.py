@@ -173,6 +173,30 @@ def acc_byte_offset(token, n_col, N):
     return (token * N + n_col) * 4
 
 
+def out_byte_offset(token, n_col, N):
+    """The forward's output OUT[token, n_col] (bf16), written by stage 2 when it sums tokens."""
+    return (token * N + n_col) * 2
+
+
+# BOOK (int32), what a token-summing stage 2 reads besides its operands: each slot's local expert
+# (-1: not on this rank), then one arrival counter per (token, BN-column tile), token T (the padding
+# rows') included, all zeroed by the alignment.
+def local_byte_offset(slot):
+    """BOOK[slot]: the local expert of flat slot t*k + j."""
+    return slot * 4
+
+
+def counter_byte_offset(token, bid_n, num_slots, n_tiles):
+    """BOOK[num_slots + token * n_tiles + bid_n]: the workgroups that stored this token's tile so far."""
+    return (num_slots + token * n_tiles + bid_n) * 4
+
+
+def book_ints(num_tokens, top_k, n_tiles):
+    """BOOK's length: the slots, the counters of tokens 0..T, padded to 16 bytes."""
+    n = num_tokens * top_k + (num_tokens + 1) * n_tiles
+    return (n + 3) // 4 * 4
+
+
 def router_weight_byte_offset(slot):
     """topk_weights flattened [T*k] fp32."""
     return slot * 4

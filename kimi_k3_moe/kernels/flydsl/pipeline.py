@@ -2,9 +2,12 @@
 
 `moe_forward` picks the tiles, allocates the buffers and issues one forward's
 launches: three for a direct tier (stage 1, stage 2, the top-k sum), four for an
-aligned one up to 16 tokens (the alignment in one program first) and five above
-(the alignment's two: every pair's row waits for every expert's count), one more with
-quantized activations (the hidden rows are quantized first). No host
+aligned one up to alignment.SMALL_PAIRS pairs (the alignment in one program first)
+and five above (the alignment's two: every pair's row waits for every expert's
+count); one fewer with reduce "fused" (stage 2 sums each token as the workgroup
+completing it finishes); one more with quantized activations (the hidden rows are
+quantized first) and with reduce "atomic" (a zero fill before stage 2, a conversion
+instead of the sum after it). No host
 synchronisation and no PyTorch arithmetic between them, so a forward is
 graph-capturable and its launches are exactly the kernels'. The FlyDSL stages go
 through `launch(config, args)` with exactly the arguments of the FlyDSL
@@ -53,7 +56,7 @@ def _quantized(elements: int, act_dtype: str, device) -> tuple[torch.Tensor, tor
             torch.empty(elements // layout.GROUP, dtype=torch.uint8, device=device))
 
 
-def _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts):
+def _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts, bf16_out):
     cfg1, cfg2 = configs
     want = {"weight_format": experts.weight_format, "has_offsets": experts.has_offsets, "top_k": k,
             "act_dtype": act_dtype}
@@ -69,6 +72,8 @@ def _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_exper
         raise ValueError(f"pinned direct configs bound ids by {cfg1.num_experts} experts, but this routing "
                          + ("needs the alignment (an expert map or int64 ids)" if direct_experts is None
                             else f"has {direct_experts}"))
+    if cfg2.sums_tokens and not bf16_out:
+        raise ValueError(f"pinned config {cfg2.name} writes a bf16 output; this forward's is not bf16")
     if cfg1.BM > tiles.MAX_BM:
         raise ValueError(f"pinned BM {cfg1.BM} exceeds {tiles.MAX_BM} (buffer offsets are sized for it)")
     runtime = cfg1.activation == "situv2" and cfg1.betas == "runtime"
@@ -115,19 +120,27 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     for start in range(0, T, step):
         stop = min(T, start + step)
         n = stop - start
+        bf16_out = out.dtype == torch.bfloat16
         if configs is None:
             cfg1, cfg2 = tiles.stage_configs(arch, experts.weight_format, hidden=H, inter=I, top_k=k,
                                              num_tokens=n, activation=activation, betas=betas,
                                              has_offsets=experts.has_offsets, reduce=reduce,
-                                             act_dtype=act_dtype, direct_experts=direct_experts, table=table)
+                                             act_dtype=act_dtype, direct_experts=direct_experts, table=table,
+                                             bf16_out=bf16_out)
         else:
-            cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts)
+            cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts, bf16_out)
         chunk_ids = ids[start:stop]
+        book = None
         if cfg1.direct:
             pairs = direct_pairs(chunk_ids, None, cfg1.BM, E)
             sid, block_expert, P = pairs.block_expert, pairs.block_expert, pairs.num_pairs * cfg1.BM
         else:
-            (pairs,), align = align_launches(chunk_ids, expert_map, E, (cfg1.BM,))
+            clear = None
+            if cfg2.sums_tokens:   # BOOK: the alignment writes the slots' local experts, zeroes the counters
+                book = torch.empty(layout.book_ints(n, k, H // cfg2.BN), dtype=torch.int32, device=hidden.device)
+                # a token with no slot on this rank has no row for stage 2 to complete: zero until written
+                clear = out[start:stop].view(-1).view(torch.int32)
+            (pairs,), align = align_launches(chunk_ids, expert_map, E, (cfg1.BM,), book, clear)
             for launch_ in align:
                 launch_()
             sid, block_expert, P = pairs.sorted_pairs, pairs.block_expert, pairs.max_rows
@@ -144,12 +157,16 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
             inter = torch.empty(P * I, dtype=torch.bfloat16, device=hidden.device)
             scales1 = scales2 = ()
         launch(cfg1, (a1, w13, s13, o13, sid, block_expert, weights, inter, *scales1, n, P, beta, lin_beta))
-        if cfg2.reduce == "slots":
+        if cfg2.slot_rows:
             # every slot row a kernel does not write belongs to a pair the top-k sum skips
             y = torch.empty(n * k * H, dtype=torch.bfloat16, device=hidden.device)
         else:
             y = torch.empty(n * H, dtype=torch.float32, device=hidden.device)
             zero_fill(y)()
+        if cfg2.sums_tokens:   # the stage writes the output: nothing follows it
+            launch(cfg2, (inter, w2, s2, o2, sid, block_expert, weights, y, out[start:stop].view(-1), book,
+                          n, P, 0.0, 0.0))
+            continue
         launch(cfg2, (inter, w2, s2, o2, sid, block_expert, weights, y, *scales2, n, P, 0.0, 0.0))
         if cfg2.reduce == "slots":
             # the deterministic top-k reduction: fp32 sum over each token's slots, in slot order

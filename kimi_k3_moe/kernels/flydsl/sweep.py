@@ -1,6 +1,7 @@
 """The kernel set CI compiles: every table tile at Kimi-K3's per-rank shape, per arch,
 for SiLU and SiTUv2 (direct tiers in both layouts), plus the variants the checks need (runtime betas,
-a second beta pair, asymmetric int4, fp32-atomic split-K stage 2),
+a second beta pair, asymmetric int4, fp32-atomic split-K stage 2, every aligned tier's stage 2 with
+the fused top-k sum),
 and on gfx950 the quantized-activation kernels: both activation quantizers, every
 tier's a8w4 and a4w4 stages with SiTUv2, and SiLU / other-beta / atomic variants.
 """
@@ -38,6 +39,9 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
             s1.with_activation(OTHER_SITU),
             replace(s2, reduce="atomic", split_k=3, k_waves=1),
         ]
+        for tier in tiles.default_table()[arch]:   # every aligned tier's stage 2 with reduce "fused"
+            extras.append(tiles.stage_configs(arch, weight_format, num_tokens=tier.max_tokens or 1 << 20,
+                                              activation=K3_SITU, reduce="fused", **shape)[1])
         if weight_format == INT4:
             extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True)]
         for cfg in extras:

@@ -171,12 +171,15 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = Fals
 def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int, num_tokens: int,
                   activation: ActivationSpec, betas: str = "const", has_offsets: bool = False,
                   reduce: str = "auto", act_dtype: str = BF16,
-                  direct_experts: int | None = None, table: dict | None = None) -> tuple[KernelConfig, KernelConfig]:
+                  direct_experts: int | None = None, table: dict | None = None,
+                  bf16_out: bool = True) -> tuple[KernelConfig, KernelConfig]:
     """(stage 1, stage 2) kernel configs for a layer of this shape at this token count.
 
     `direct_experts`: the layer's expert count where the routing can take the direct layout (int32
     ids, no expert map; the forward decides); a tier marked direct then takes it, bf16 activations only.
-    `reduce`: "auto" takes the tier's top-k sum, "slots" or "atomic" that one at every tier.
+    `reduce`: "auto" takes the tier's top-k sum, "slots", "fused" or "atomic" that one at every tier.
+    "fused" needs the alignment (it zeroes the counters), bf16 activations and a bf16 output
+    (`bf16_out`, what the engines pass); elsewhere the same rows are summed by "slots".
     """
     if table is None:  # a valid user table (kimi-k3-moe tune) for exactly this GPU and shape comes first
         table = user_tiers(arch, weight_format, hidden, inter, top_k)
@@ -189,7 +192,10 @@ def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top
     s1 = KernelConfig(stage=1, N=inter, K=hidden, activation="silu", **common,
                       **_fit(tier.stage1, tier.BM, inter, hidden, pairs=quantized, lds=not quantized)
                       ).with_activation(activation, betas)
-    s2 = KernelConfig(stage=2, N=hidden, K=inter, reduce=tier.reduce if reduce == "auto" else reduce, **common,
+    reduce = tier.reduce if reduce == "auto" else reduce
+    if reduce == "fused" and (direct or quantized or not bf16_out):
+        reduce = "slots"
+    s2 = KernelConfig(stage=2, N=hidden, K=inter, reduce=reduce, **common,
                       **_fit(tier.stage2, tier.BM, hidden, inter, lds=not quantized))
     return s1, s2
 

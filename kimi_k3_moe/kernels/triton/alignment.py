@@ -81,16 +81,28 @@ def direct_pairs(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, block_
 
 
 def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int,
-                   block_ms: tuple[int, ...]) -> tuple[list[AlignedPairs], list[Launch]]:
+                   block_ms: tuple[int, ...], book: torch.Tensor | None = None,
+                   clear: torch.Tensor | None = None) -> tuple[list[AlignedPairs], list[Launch]]:
     """The pairs aligned to each of one or two block sizes (an AlignedPairs each, in that order) and
     the launches that do it: one up to SMALL_PAIRS pairs, else two; both block sizes share the
-    counts and each pair's slot."""
+    counts and each pair's slot. `book` (contiguous int32, at least one element per pair): the
+    pairs' local experts go to its start, and the launches zero the rest of it; they zero `clear`
+    (contiguous int32) too."""
     if not 1 <= len(block_ms) <= 2:
         raise ValueError(f"alignment takes one or two block sizes, got {block_ms}")
     ids = topk_ids.reshape(-1)
     num_pairs = ids.numel()
     device = ids.device
-    local = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    if book is None:
+        book = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    elif book.dtype != torch.int32 or book.dim() != 1 or not book.is_contiguous() or book.numel() < num_pairs:
+        raise ValueError(f"book must be a contiguous 1-D int32 tensor of >= {num_pairs} elements, got "
+                         f"{book.dtype} {tuple(book.shape)}")
+    if clear is not None and (clear.dtype != torch.int32 or clear.dim() != 1 or not clear.is_contiguous()):
+        raise ValueError(f"clear must be a contiguous 1-D int32 tensor, got {clear.dtype} {tuple(clear.shape)}")
+    local, zero = book[:num_pairs], book[num_pairs:]
+    zero_args = dict(zero_ptr=zero if zero.numel() else local, num_zero=zero.numel(),
+                     zero2_ptr=local if clear is None else clear, num_zero2=0 if clear is None else clear.numel())
     out = [_aligned_buffers(num_pairs, num_experts, bm, local) for bm in block_ms]
     num_ids = num_experts if expert_map is None else expert_map.numel()
     a, b = out[0], out[-1]
@@ -98,7 +110,7 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
     if num_pairs <= SMALL_PAIRS:
         scratch = torch.empty(2 * num_experts, dtype=torch.int32, device=device)
         counts, fill = scratch[:num_experts], scratch[num_experts:]
-        return out, [_small_launch(ids, expert_map, num_ids, local, counts, fill, a, b, two)]
+        return out, [_small_launch(ids, expert_map, num_ids, local, counts, fill, a, b, two, zero_args)]
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     grid = (max(1, cdiv(num_pairs, BLOCK)),)
     launches = [
@@ -106,7 +118,8 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
             ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local, rank_ptr=rank,
             counters_ptr=counters(device, num_experts), sorted_ptr=a.sorted_pairs, sorted_b_ptr=b.sorted_pairs,
             block_expert_ptr=a.block_expert, block_expert_b_ptr=b.block_expert, offsets_ptr=a.offsets,
-            num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets, num_rows_b_ptr=b.num_rows, num_pairs=num_pairs,
+            num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets, num_rows_b_ptr=b.num_rows, **zero_args,
+            num_pairs=num_pairs,
             max_rows=a.max_rows, max_rows_b=b.max_rows, num_ids=num_ids, num_experts=num_experts,
             HAS_MAP=expert_map is not None, TWO=two, BLOCK=BLOCK, BLOCK_M=a.block_m, BLOCK_M_B=b.block_m,
             E_POW2=max(16, next_pow2(num_experts)), PDL=False), num_warps=4, num_stages=1, label="align.count"),
@@ -121,13 +134,14 @@ def align_launches(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_
 
 
 def _small_launch(ids, expert_map, num_ids, local, counts, fill, a: AlignedPairs, b: AlignedPairs,
-                  two: bool) -> Launch:
+                  two: bool, zero_args: dict) -> Launch:
     num_experts = a.offsets.numel()
     return Launch(K.align_small_kernel, (1,), dict(
         ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map, local_ptr=local, counts_ptr=counts,
         fill_ptr=fill, offsets_ptr=a.offsets, sorted_ptr=a.sorted_pairs, block_expert_ptr=a.block_expert,
         num_rows_ptr=a.num_rows, offsets_b_ptr=b.offsets, sorted_b_ptr=b.sorted_pairs,
-        block_expert_b_ptr=b.block_expert, num_rows_b_ptr=b.num_rows, num_pairs=ids.numel(), max_rows=a.max_rows,
+        block_expert_b_ptr=b.block_expert, num_rows_b_ptr=b.num_rows, **zero_args, num_pairs=ids.numel(),
+        max_rows=a.max_rows,
         max_rows_b=b.max_rows, num_ids=num_ids, num_experts=num_experts, HAS_MAP=expert_map is not None, TWO=two,
         BLOCK_M=a.block_m, BLOCK_M_B=b.block_m, BLOCK=max(16, next_pow2(ids.numel())),
         E_POW2=max(16, next_pow2(num_experts)), PDL=False),

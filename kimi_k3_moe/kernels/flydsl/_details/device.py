@@ -41,6 +41,23 @@ def atomic_add_f32(val, res, byte_off):
     rocdl.raw_ptr_buffer_atomic_fadd(fx.Float32(val).ir_value(), res, i32(byte_off), i32(0))
 
 
+def release_to_agent():
+    """This thread's stores reach every XCD before what follows (gfx94x/95x: buffer_wbl2 sc1 and
+    s_waitcnt vmcnt(0); each XCD has its own L2), LLVM's AMDGPU memory model spelling it."""
+    fx.memory_fence(syncscope="agent", ordering=fx.AtomicOrdering.Release)
+
+
+def acquire_from_agent():
+    """Loads after this see what other XCDs released (s_waitcnt vmcnt(0) and buffer_inv sc1)."""
+    fx.memory_fence(syncscope="agent", ordering=fx.AtomicOrdering.Acquire)
+
+
+def count_arrival(tensor, byte_off):
+    """Atomic +1 on the int32 at `byte_off` of `tensor` at device scope; the count before it."""
+    ptr = fx.add_offset(fx.get_iter(tensor), fx.Int64(byte_off >> 2))
+    return fx.atomic_add(ptr, fx.Int32(1), syncscope="agent", ordering=fx.AtomicOrdering.Monotonic)
+
+
 def load_i32(res, byte_off):
     return fx.Int32(load(res, byte_off, T.i32))
 

@@ -82,19 +82,17 @@ def _live(cfg, expert):
     return expert >= 0
 
 
-def _lds_plan(cfg, tile_type, tid, bid_m, rsid, sentinel):
-    """LDS pointer and, per copy round, (activation row, staged row, chunk column) of this thread."""
+def _lds_plan(cfg, lds, tid, bid_m, rsid, sentinel):
+    """Per copy round, (activation row, staged row, chunk column) of this thread."""
     if not cfg.a_lds:
-        return None, []
-    smem = fx.SharedAllocator().allocate(tile_type).peek()
-    lds = fx.recast_iter(fx.Int32, smem.x.ptr)
+        return []
     plan = []
     for c0 in range(0, cfg.BM * 16 * cfg.kb_unroll, cfg.threads):
         row, cc = L.lds_chunk_coords(tid + c0, cfg.kb_unroll)
         p = bid_m * cfg.BM + row
         a_row = L.slot_token(_row_slot(cfg, rsid, p, sentinel), cfg.top_k) if cfg.stage == 1 else p
         plan.append((a_row, row, cc))
-    return lds, plan
+    return plan
 
 
 def _load_tile(cfg, ra, plan, kb0):
@@ -262,14 +260,12 @@ def _compute_block(cfg, accs, loaded, lds, u, g, r, high):
     return _mma_block(cfg, accs, words, scales, offsets, xs)
 
 
-def _reduce_k_waves(cfg, partials_type, accs, wave_n, wave_k, lane):
+def _reduce_k_waves(cfg, lds, accs, wave_n, wave_k, lane):
     """K split over waves: every wave stores its partial sums in LDS, then each adds the others'
     in wave order, so the first K wave holds ((p0 + p1) + p2) + ... (deterministic); only it
     stores (the kernel body's branch)."""
     if cfg.k_waves == 1:
         return accs
-    smem = fx.SharedAllocator().allocate(partials_type).peek()
-    lds = fx.recast_iter(fx.Int32, smem.x.ptr)
     n = len(accs)
 
     def at(wk, a):
@@ -344,7 +340,7 @@ def _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta,
         params = D.activation_params(cfg, beta, lin_beta)
     else:
         rtw = D.rsrc(fx.get_iter(TW), fx.Int64(num_tokens) * (cfg.top_k * 4))  # padding slot reads 0
-        per_token = cfg.top_k * N * 2 if cfg.reduce == "slots" else N * 4
+        per_token = cfg.top_k * N * 2 if cfg.slot_rows else N * 4
         ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * per_token)          # padding slot: dropped
     coords = [L.int4_out_coords(g, r, e) for e in range(4)]
     for mi in range(m_rep):
@@ -366,7 +362,7 @@ def _epilogue_int4(cfg, accs, Y, TW, rsid, num_tokens, num_rows, beta, lin_beta,
             for e in range(4):
                 y = fx.Float32(acc[e]) * weights[e]
                 n_col = n0 + coords[e][1]
-                if cfg.reduce == "slots":
+                if cfg.slot_rows:
                     D.store_bf16(y, ry, L.slot_out_byte_offset(slots[e], n_col, N))
                 else:
                     D.atomic_add_f32(y, ry, L.acc_byte_offset(L.slot_token(slots[e], cfg.top_k), n_col, N))
@@ -390,7 +386,7 @@ def _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_b
         return
     rtw = D.rsrc(fx.get_iter(TW), fx.Int64(num_tokens) * (cfg.top_k * 4))      # padding slot reads 0
     weights = [D.load_f32(rtw, L.router_weight_byte_offset(s)) for s in slots]
-    if cfg.reduce == "slots":
+    if cfg.slot_rows:
         ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * (cfg.top_k * N * 2))  # padding slot: dropped
     else:
         ry = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * (N * 4))              # token T: dropped
@@ -399,13 +395,62 @@ def _epilogue(cfg, accs, Y, TW, slots, p_rows, num_tokens, num_rows, beta, lin_b
         for mi in range(m_rep):
             acc = accs[ni * m_rep + mi]
             ys = [fx.Float32(acc[e]) * weights[mi] for e in range(4)]
-            if cfg.reduce == "slots":
+            if cfg.slot_rows:
                 packed = fx.Vector.from_elements(ys, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32)
                 D.store(packed, ry, L.slot_out_byte_offset(slots[mi], n0 + g * 4, N))
             else:
                 token = L.slot_token(slots[mi], cfg.top_k)
                 for e in range(4):
                     D.atomic_add_f32(ys[e], ry, L.acc_byte_offset(token, n0 + g * 4 + e, N))
+
+
+# ------------------------------------------------------------------------- the top-k sum (reduce "fused")
+# Deterministic without a launch of its own: every workgroup releases its stores, then counts one
+# arrival per row on its token's counter for this column tile; the workgroup whose count completes
+# a token (every slot of it on this rank) reads the token's slot rows back and writes its output,
+# summing them in slot order as the separate top-k sum kernel does. No workgroup waits for another.
+def _row_locals(cfg, BOOK, slots, tid):
+    """(slot, local experts of its token's slots) of the workgroup's row `tid` (lanes tid < BM, wave 0:
+    lane group g holds row 16g + r's slot in slots[g]). Issued before the release, whose wait for
+    the stores then covers these loads too."""
+    slot = slots[0]
+    for mi in range(1, len(slots)):
+        slot = ((tid >> 4) == mi).select(slots[mi], slot)
+    token = L.slot_token(slot, cfg.top_k)
+    rbook = D.rsrc(fx.get_iter(BOOK))
+    return slot, [D.load_i32(rbook, L.local_byte_offset(token * cfg.top_k + j)) for j in range(cfg.top_k)]
+
+
+def _arrive(cfg, BOOK, flags, tid, slot, local, num_tokens):
+    """Count row `tid`'s arrival; in LDS, its token if this workgroup completes the token's tile (else
+    -1), and the token's mask of slots on this rank."""
+    k = cfg.top_k
+    token = L.slot_token(slot, k)
+    mask, need = fx.Int32(0), fx.Int32(0)
+    for j in range(k):
+        here = (local[j] >= 0).select(fx.Int32(1), fx.Int32(0))
+        mask, need = mask | (here << j), need + here
+    old = D.count_arrival(BOOK, L.counter_byte_offset(token, fx.block_idx.y, num_tokens * k, cfg.N // cfg.BN))
+    last = (slot < num_tokens * k) & (old + 1 == need)
+    fx.ptr_store(last.select(token, fx.Int32(-1)), fx.add_offset(flags, tid))
+    fx.ptr_store(mask, fx.add_offset(flags, cfg.BM + tid))
+
+
+def _sum_token(cfg, Y, OUT, flags, i, token, tid, num_tokens):
+    """Thread `tid`'s 4 columns of a completed token: its slot rows summed in slot order in fp32 (absent
+    slots add 0, as in the separate kernel), in bf16 into OUT."""
+    N, k = cfg.N, cfg.top_k
+    col = fx.block_idx.y * cfg.BN + tid * 4
+    mask = fx.Int32(fx.ptr_load(fx.add_offset(flags, cfg.BM + i), T.i32))
+    rslots = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * (k * N * 2))
+    acc = [fx.Float32(0.0)] * 4
+    for j in range(k):
+        here = ((mask >> j) & 1) != 0
+        words = fx.Vector(D.load(rslots, L.slot_out_byte_offset(token * k + j, col, N), T.vec(2, T.i32)))
+        values = D.bf16x4_f32([fx.Int32(words[0]), fx.Int32(words[1])])
+        acc = [a + here.select(v, fx.Float32(0.0)) for a, v in zip(acc, values)]
+    packed = fx.Vector.from_elements(acc, fx.Float32).to(fx.BFloat16).bitcast(fx.Int32)
+    D.store(packed, D.rsrc(fx.get_iter(OUT), fx.Int64(num_tokens) * (N * 2)), L.out_byte_offset(token, col, N))
 
 
 # ------------------------------------------------------------------------- builder
@@ -457,13 +502,13 @@ def build(cfg: KernelConfig):
     code_stride = L.expert_code_base(1, R, K)
     group_stride = L.expert_group_base(1, R, K)
 
-    @fx.struct
-    class ActTile:
-        x: fx.Array[fx.Int32, max(BM * L.lds_row_bytes(U) // 4, 4), 16]
+    # LDS, one allocation (FlyDSL takes one per kernel): the staged activation tile, the K waves'
+    # partial sums, or a summing stage 2's arrivals; each is done with before the next is written
+    lds_words = max(BM * L.lds_row_bytes(U) // 4 if cfg.a_lds else 0, n_partials, 2 * BM if cfg.sums_tokens else 0)
 
     @fx.struct
-    class Partials:
-        x: fx.Array[fx.Int32, max(n_partials, 4), 16]
+    class Scratch:
+        x: fx.Array[fx.Int32, max(lds_words, 4), 16]
 
     def prologue(tid, BE):
         lane = tid & 63
@@ -487,7 +532,8 @@ def build(cfg: KernelConfig):
         slots = [_row_slot(cfg, rsid, p, sentinel) for p in p_rows]
         a_rows = _activation_rows(cfg, slots, p_rows)
         w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
-        lds, plan = _lds_plan(cfg, ActTile, tid, bid_m, rsid, sentinel)
+        lds = fx.recast_iter(fx.Int32, fx.SharedAllocator().allocate(Scratch).peek().x.ptr) if lds_words else None
+        plan = _lds_plan(cfg, lds, tid, bid_m, rsid, sentinel)
         accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_carried)]
         high = D.int4_word_high() if cfg.weight_format == INT4 else None
         return _Operands(rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid, wave_k), accs
@@ -549,16 +595,51 @@ def build(cfg: KernelConfig):
     def join(ops, accs, wave, lane):
         if n_carried > n_acc:   # int4 offsets: their accumulators join once
             accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
-        return _reduce_k_waves(cfg, Partials, accs, wave, ops.wave_k, lane)
+        return _reduce_k_waves(cfg, ops.lds, accs, wave, ops.wave_k, lane)
 
     def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):
         _finish(cfg, accs, Y, YS, TW, ops.slots, ops.p_rows, num_tokens, num_rows, beta, lin_beta,
                 fx.block_idx.x, fx.block_idx.y, wave, g, lane, ops.rsid)
 
-    # Two signatures: quantized kernels take the activation scales AS and stage 1's output
-    # scales YS. The bf16 kernels keep the shorter one: two more (unused) kernel arguments
-    # changed LLVM's scheduling of them (measured 46 -> 92 VGPRs on gfx950 stage 1).
-    if cfg.quantized:
+    # Three signatures: quantized kernels take the activation scales AS and stage 1's output
+    # scales YS; a fused stage 2 the output OUT and BOOK (layout.py). The other bf16 kernels
+    # keep the shortest one: two more (unused) kernel arguments changed LLVM's scheduling of them
+    # (measured 46 -> 92 VGPRs on gfx950 stage 1).
+    if cfg.sums_tokens:
+        @flyc.kernel(name=cfg.name, known_block_size=[threads, 1, 1])
+        def k3moe_sum(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                      TW: fx.Tensor, Y: fx.Tensor, OUT: fx.Tensor, BOOK: fx.Tensor, num_tokens: fx.Int32,
+                      num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32):
+            tid = fx.thread_idx.x
+            lane, wave, wave_k, g, r, expert = prologue(tid, BE)
+            if _live(cfg, expert):                        # unused alignment blocks exit at once
+                ops, accs = operands(A, W, S, OFS, SID, None, expert, tid, wave, wave_k, r, num_tokens, num_rows)
+                carried = k_start(ops, g)
+                for it in range(k_steps, unroll=k_unroll):
+                    accs, carried = k_step(ops, accs, carried, fx.Int32(it), g, r)
+                accs = join(ops, k_finish(ops, accs, carried, g, r), wave, lane)
+                if _first_k_wave(cfg, wave_k):
+                    epilogue(ops, accs, Y, None, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane)
+                slot, local = _row_locals(cfg, BOOK, ops.slots, tid)
+                D.release_to_agent()
+                gpu.barrier()
+                if tid < BM:
+                    _arrive(cfg, BOOK, ops.lds, tid, slot, local, num_tokens)
+                gpu.barrier()
+                D.acquire_from_agent()
+                if tid < BN // 4:
+                    for i in range(BM):
+                        token = fx.Int32(fx.ptr_load(fx.add_offset(ops.lds, fx.Int32(i)), T.i32))
+                        if token >= 0:
+                            _sum_token(cfg, Y, OUT, ops.lds, fx.Int32(i), token, tid, num_tokens)
+
+        @flyc.jit
+        def launch(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
+                   TW: fx.Tensor, Y: fx.Tensor, OUT: fx.Tensor, BOOK: fx.Tensor, num_tokens: fx.Int32,
+                   num_rows: fx.Int32, beta: fx.Float32, lin_beta: fx.Float32, stream: fx.Stream = fx.Stream(None)):
+            k3moe_sum(A, W, S, OFS, SID, BE, TW, Y, OUT, BOOK, num_tokens, num_rows, beta, lin_beta).launch(
+                grid=(num_rows // BM, cfg.N // BN, cfg.split_k), block=(threads, 1, 1), stream=stream)
+    elif cfg.quantized:
         @flyc.kernel(name=cfg.name, known_block_size=[threads, 1, 1])
         def k3moe_q(A: fx.Tensor, W: fx.Tensor, S: fx.Tensor, OFS: fx.Tensor, SID: fx.Tensor, BE: fx.Tensor,
                     TW: fx.Tensor, Y: fx.Tensor, AS: fx.Tensor, YS: fx.Tensor, num_tokens: fx.Int32,

@@ -16,6 +16,9 @@ Two launches (one, align_small_kernel, for a small batch), no host synchronisati
           counters and the ticket: they persist between forwards
           (alignment.counters), zero whenever no forward is running;
   scatter each pair's row in each block size's range, and the block -> expert maps.
+Both the count and the small kernel also zero up to two int32 buffers of the caller's
+(counters and accumulators its kernels after the alignment count or add into, an output
+some of whose rows no later kernel writes), so clearing them costs no launch.
 """
 import triton
 import triton.language as tl
@@ -24,10 +27,11 @@ from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b"])
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b", "num_zero", "num_zero2"])
 def align_count_kernel(ids_ptr, map_ptr, local_ptr, rank_ptr, counters_ptr, sorted_ptr, sorted_b_ptr,
                        block_expert_ptr, block_expert_b_ptr, offsets_ptr, num_rows_ptr, offsets_b_ptr,
-                       num_rows_b_ptr, num_pairs, max_rows, max_rows_b, num_ids, num_experts,
+                       num_rows_b_ptr, zero_ptr, num_zero, zero2_ptr, num_zero2, num_pairs, max_rows, max_rows_b,
+                       num_ids, num_experts,
                        HAS_MAP: tl.constexpr, TWO: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_M_B: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
     enter(PDL)
@@ -48,6 +52,8 @@ def align_count_kernel(ids_ptr, map_ptr, local_ptr, rank_ptr, counters_ptr, sort
     if TWO:
         _fill_unused(sorted_b_ptr, block_expert_b_ptr, max_rows_b, num_pairs, pid * BLOCK, nprog * BLOCK, BLOCK,
                      BLOCK_M_B)
+    _zero(zero_ptr, num_zero, pid * ZERO_BLOCK, nprog * ZERO_BLOCK)
+    _zero(zero2_ptr, num_zero2, pid * ZERO_BLOCK, nprog * ZERO_BLOCK)
     tl.debug_barrier()  # every thread's counts are in before the program takes its ticket
     ticket = tl.atomic_add(counters_ptr + num_experts, 1)
     if ticket == nprog - 1:
@@ -72,6 +78,17 @@ def _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, first, step,
         tl.store(sorted_ptr + rows, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=rows < max_rows)
         tl.store(block_expert_ptr + rows // BLOCK_M, tl.full([BLOCK], -1, tl.int32),
                  mask=(rows < max_rows) & (rows % BLOCK_M == 0))
+
+
+ZERO_BLOCK: tl.constexpr = 1024
+
+
+@triton.jit
+def _zero(zero_ptr, num_zero, first, step):
+    """int32 zeros over [0, num_zero) of a buffer the caller's next kernels count or add into."""
+    for start in range(first, num_zero, step):
+        i = start + tl.arange(0, ZERO_BLOCK)
+        tl.store(zero_ptr + i, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=i < num_zero)
 
 
 @triton.jit
@@ -118,10 +135,10 @@ def _place_small(pair, e, slot, ok, counts, x, offsets_ptr, sorted_ptr, block_ex
     _place(pair, e, slot, ok, offsets_ptr, sorted_ptr, block_expert_ptr, max_rows, BLOCK_M)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b"])
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b", "num_zero", "num_zero2"])
 def align_small_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offsets_ptr, sorted_ptr, block_expert_ptr,
                        num_rows_ptr, offsets_b_ptr, sorted_b_ptr, block_expert_b_ptr, num_rows_b_ptr,
-                       num_pairs, max_rows, max_rows_b, num_ids, num_experts,
+                       zero_ptr, num_zero, zero2_ptr, num_zero2, num_pairs, max_rows, max_rows_b, num_ids, num_experts,
                        HAS_MAP: tl.constexpr, TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_M_B: tl.constexpr,
                        BLOCK: tl.constexpr, E_POW2: tl.constexpr, PDL: tl.constexpr):
     """The two launches' work in one program, for at most BLOCK pairs: the launch boundaries
@@ -139,6 +156,8 @@ def align_small_kernel(ids_ptr, map_ptr, local_ptr, counts_ptr, fill_ptr, offset
     _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, 0, BLOCK, BLOCK, BLOCK_M)
     if TWO:
         _fill_unused(sorted_b_ptr, block_expert_b_ptr, max_rows_b, num_pairs, 0, BLOCK, BLOCK, BLOCK_M_B)
+    _zero(zero_ptr, num_zero, 0, ZERO_BLOCK)
+    _zero(zero2_ptr, num_zero2, 0, ZERO_BLOCK)
     tl.debug_barrier()  # counters zero and sentinels stored before the counts and the real rows
     tl.atomic_add(counts_ptr + e, 1, mask=ok)
     slot = tl.atomic_add(fill_ptr + e, 1, mask=ok)
