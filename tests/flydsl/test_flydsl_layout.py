@@ -63,6 +63,22 @@ def test_int4_offset_word_puts_group_gs_offset_in_both_halves(gen):
         assert torch.equal(halves, offs[:, G:G + 1].double().expand(-1, 2))
 
 
+def _v_perm_b32(src0: int, src1: int, sel: int) -> int:
+    """AMD's v_perm_b32 for selector bytes 0-7: result byte i is byte sel_i of the 8 bytes src0:src1
+    (src1 the low dword)."""
+    both = (src0 & 0xFFFFFFFF) << 32 | (src1 & 0xFFFFFFFF)
+    return sum(((both >> (8 * ((sel >> (8 * i)) & 0xFF))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def test_the_offset_words_v_perm_gives_int4_offset_word(gen):
+    """The kernels build int4_offset_word with one v_perm_b32 (int4_offset_perm_selector); its byte
+    semantics modelled here give the same word for every group on random pairs."""
+    pairs = torch.randint(-2**31, 2**31, (500,), generator=gen).tolist()
+    for G in range(4):
+        sel = L.int4_offset_perm_selector(G)
+        assert all(_v_perm_b32(p, p, sel) == L.int4_offset_word(p, G) & 0xFFFFFFFF for p in pairs)
+
+
 def test_int4_kernel_loads_cover_a_block_once():
     """Lane group g's 16 bytes at w_byte_offset hold dword g of each of the block's 4 groups;
     the activations it pairs with are 16 contiguous bytes per group, covering the block once."""

@@ -198,7 +198,7 @@ def _constant8(words) -> torch.Tensor:
 
 def _int4_block(cfg, accs, rw, rs, ro, act, lds, w_rows, a_rows, kb, u, g, r, m_rep):
     """One K128 block of an int4 kernel, in the kernels' order (moe_gemm._int4_block); with
-    offsets, accs[n:] are the offset accumulators."""
+    offsets, each tile's offset MFMA adds into its accumulator after the scaled sum."""
     K = cfg.K
     words, scales, offsets = [], [], []
     for row in w_rows:
@@ -213,7 +213,6 @@ def _int4_block(cfg, accs, rw, rs, ro, act, lds, w_rows, a_rows, kb, u, g, r, m_
             return _bf16(_lds_read(lds, lofs))
         return _bf16(act.load(L.int4_act_byte_offset(a_rows[mi], kb, G, g, K), 16))
 
-    n = len(w_rows) * m_rep
     zero = torch.zeros(16, 16)
     neg_bias = _constant8(L.INT4_NEG_BIAS_WORDS)
     for G in range(4):
@@ -227,7 +226,7 @@ def _int4_block(cfg, accs, rw, rs, ro, act, lds, w_rows, a_rows, kb, u, g, r, m_
                 a = wi * m_rep + mi
                 accs[a] = _fma(_mfma_issues(cfg, base, x, w8s[wi]), ss[wi], accs[a])
                 if cfg.has_offsets:
-                    accs[n + a] = _mfma_issues(cfg, accs[n + a], x, o8s[wi])
+                    accs[a] = _mfma_issues(cfg, accs[a], x, o8s[wi])
 
 
 def _int4_offset8(pairs: torch.Tensor, G: int) -> torch.Tensor:
@@ -443,8 +442,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
         for ni in range(n_rep):
             n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, BM, BN, n_rep)[1]
             w_rows += [L.gate_up_row(n0 + r, gu, N) for gu in range(2)] if stage1 else [n0 + r]
-        n_carried = len(w_rows) * m_rep * (2 if cfg.weight_format == INT4 and cfg.has_offsets else 1)
-        accs = [torch.zeros(16, 16) for _ in range(n_carried)]
+        accs = [torch.zeros(16, 16) for _ in range(len(w_rows) * m_rep)]
         waves.append((wave, wave_k, p_rows, slots, a_rows, w_rows, accs))
 
     lds_plan = _lds_plan(cfg, bid_m, sid, sentinel) if cfg.a_lds else None
@@ -481,12 +479,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                         for mi in range(m_rep):
                             accs[wi * m_rep + mi] = _mfma(accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
 
-    joined = {}
-    for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves:
-        n_acc = len(w_rows) * m_rep
-        if len(accs) > n_acc:   # int4 offsets: their accumulators join once, in fp32
-            accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
-        joined[wave, wave_k] = accs
+    joined = {(wave, wave_k): accs for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves}
     summed = _reduce_k_waves(cfg, joined, g, r)
     for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves:
         if wave_k == 0:      # the first K wave stores

@@ -277,6 +277,13 @@ def int4_offset_word(pair, G):
     return (pair & 0xFFFF) | (pair << 16)
 
 
+def int4_offset_perm_selector(G):
+    """v_perm_b32 byte selector giving int4_offset_word from (pair, pair): bytes 0,1,0,1 (group 0, 2)
+    or 2,3,2,3 (group 1, 3) of the pair, lowest result byte first."""
+    lo = 2 * (G & 1)
+    return lo | (lo + 1) << 8 | lo << 16 | (lo + 1) << 24
+
+
 def int4_out_coords(g, r, e):
     """int4 kernels (activations in A, weights in B): (activation row, weight column) of
     accumulator register e of lane (g, r), offsets inside the 16x16 tile."""

@@ -1,7 +1,7 @@
 """The kernel set CI compiles: every table tile at Kimi-K3's per-rank shape, per arch,
 for SiLU and SiTUv2 (direct tiers in both layouts), plus the variants the checks need (runtime betas,
-a second beta pair, asymmetric int4, fp32-atomic split-K stage 2, every aligned tier's stage 2 with
-the fused top-k sum),
+a second beta pair, every tier's asymmetric int4, fp32-atomic split-K stage 2, every aligned tier's
+stage 2 with the fused top-k sum),
 and on gfx950 the quantized-activation kernels: both activation quantizers, every
 tier's a8w4 and a4w4 stages with SiTUv2, and SiLU / other-beta / atomic variants.
 """
@@ -42,8 +42,9 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
         for tier in tiles.default_table()[arch]:   # every aligned tier's stage 2 with reduce "fused"
             extras.append(tiles.stage_configs(arch, weight_format, num_tokens=tier.max_tokens or 1 << 20,
                                               activation=K3_SITU, reduce="fused", **shape)[1])
-        if weight_format == INT4:
-            extras += [replace(s1, has_offsets=True), replace(s2, has_offsets=True)]
+        if weight_format == INT4:   # asymmetric int4: every tier's kernels (registers and decode checked)
+            extras += tiles.sweep_configs(arch, weight_format, activations=[K3_SITU], has_offsets=True,
+                                          num_experts=K3_EXPERTS, **shape)
         for cfg in extras:
             out.setdefault(cfg)
         for cfg in quantized_configs(arch):

@@ -144,8 +144,14 @@ def bf16x4_f32(pairs):
 
 
 def int4_offset8(pairs, G):
-    """v8bf16 with the offset of group G in every slot (layout.int4_offset_word)."""
-    w = L.int4_offset_word(pairs[G >> 1], G)
+    """v8bf16 with the offset of group G in every slot: layout.int4_offset_word as one v_perm_b32
+    (its byte selector, layout.int4_offset_perm_selector), which LLVM does not find for the shift-and-or."""
+    from flydsl._mlir import ir
+    from flydsl._mlir.dialects import llvm
+
+    pair = fx.Int32(pairs[G >> 1]).ir_value()
+    w = fx.Int32(llvm.call_intrinsic(ir.IntegerType.get_signless(32), "llvm.amdgcn.perm",
+                                     [pair, pair, i32(L.int4_offset_perm_selector(G))], [], []))
     return fx.Vector.from_elements([w] * 4, fx.Int32).bitcast(fx.BFloat16)
 
 

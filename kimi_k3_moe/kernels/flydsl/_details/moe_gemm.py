@@ -196,11 +196,12 @@ def _int4_lds_activation(cfg, lds, mi, u, g, r, G):
 
 def _int4_block(cfg, accs, words, scales, offsets, load_x, high):
     """int4, one K128 block: per scale group G an MFMA chain per tile on the raw q + 136 values,
-    scaled in fp32 (layout.py's int4 notes). Activations are A, weights B. With offsets,
-    accs[n:] are the offset accumulators (one per tile, over all groups). Row sub-tiles
-    outermost inside a group: one activation fragment and one -136 sum(x) live at a time."""
+    scaled in fp32 (layout.py's int4 notes). Activations are A, weights B. With offsets, an MFMA
+    of the activations with the group's offset broadcast adds sum(x) * offset into the same
+    accumulator after the scaled sum (separate offset accumulators took 4 VGPRs per tile: gfx942
+    BM32 spilled 45-47 of them, BM64 stage 1 used 238). Row sub-tiles outermost inside a group:
+    one activation fragment and one -136 sum(x) live at a time."""
     m_rep = cfg.BM // L.MFMA_TILE
-    n = len(words) * m_rep
     zero = fx.Vector.filled(4, 0.0, fx.Float32)
     neg_bias = D.int4_constant8(L.INT4_NEG_BIAS_WORDS)
     new = list(accs)
@@ -214,7 +215,7 @@ def _int4_block(cfg, accs, words, scales, offsets, load_x, high):
                 a = wi * m_rep + mi
                 new[a] = D.fma4(D.mma(cfg, base, x, w8s[wi]), scales[wi][G], new[a])
                 if cfg.has_offsets:
-                    new[n + a] = D.mma(cfg, new[n + a], x, o8s[wi])
+                    new[a] = D.mma(cfg, new[a], x, o8s[wi])
     return new
 
 
@@ -496,7 +497,6 @@ def build(cfg: KernelConfig):
     BM, BN, R, K = cfg.BM, cfg.BN, cfg.weight_rows, cfg.K
     m_rep = BM // L.MFMA_TILE
     n_acc = (2 if cfg.stage == 1 else 1) * cfg.n_rep * m_rep
-    n_carried = n_acc * (2 if cfg.weight_format == INT4 and cfg.has_offsets else 1)   # + offset accumulators
     iters, U, threads = cfg.k_iters, cfg.kb_unroll, cfg.threads
     n_partials = cfg.k_waves * cfg.waves * n_acc * L.LANES * 4 if cfg.k_waves > 1 else 0
     code_stride = L.expert_code_base(1, R, K)
@@ -534,7 +534,7 @@ def build(cfg: KernelConfig):
         w_rows = _weight_rows(cfg, bid_m, bid_n, wave, r)
         lds = fx.recast_iter(fx.Int32, fx.SharedAllocator().allocate(Scratch).peek().x.ptr) if lds_words else None
         plan = _lds_plan(cfg, lds, tid, bid_m, rsid, sentinel)
-        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_carried)]
+        accs = [fx.Vector.filled(4, 0.0, fx.Float32) for _ in range(n_acc)]
         high = D.int4_word_high() if cfg.weight_format == INT4 else None
         return _Operands(rw, rs, ro, ra, ras, lds, plan, w_rows, a_rows, high, slots, p_rows, rsid, wave_k), accs
 
@@ -593,8 +593,6 @@ def build(cfg: KernelConfig):
         return compute_iteration(ops, accs, carried, g, r) if cfg.prefetch else accs
 
     def join(ops, accs, wave, lane):
-        if n_carried > n_acc:   # int4 offsets: their accumulators join once
-            accs = [accs[a] + accs[n_acc + a] for a in range(n_acc)]
         return _reduce_k_waves(cfg, ops.lds, accs, wave, ops.wave_k, lane)
 
     def epilogue(ops, accs, Y, YS, TW, num_tokens, num_rows, beta, lin_beta, wave, g, lane):

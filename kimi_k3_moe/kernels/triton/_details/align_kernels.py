@@ -80,7 +80,7 @@ def _fill_unused(sorted_ptr, block_expert_ptr, max_rows, num_pairs, first, step,
                  mask=(rows < max_rows) & (rows % BLOCK_M == 0))
 
 
-ZERO_BLOCK: tl.constexpr = 1024
+ZERO_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit
