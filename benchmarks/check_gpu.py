@@ -6,10 +6,12 @@ the allocator's free memory) poisoned with NaN before every run; relative L2
 error against the float64 reference over the weights the prepared form
 encodes; MXFP4 and int4; SiLU and SiTUv2 (and their results must differ);
 every path (table/heuristic choice, forced small-batch and aligned paths) and
-both decoders (PTX, portable bits); plus expert parallelism (expert_map),
+both decoders (PTX, portable bits); each token count under every `--routing`
+(default uniform and skewed: a fixed per-expert popularity, as real routers have,
+which puts many rows on a few experts); plus expert parallelism (expert_map),
 int4 with per-group offsets, repeatability and CUDA-graph replay.
 
-    python benchmarks/check_gpu.py [--tokens 1,3,16,64,257,1024,4096] [--out results/check.json]
+    python benchmarks/check_gpu.py [--tokens 1,3,16,64,257,1024,4096] [--routing uniform,skewed] [--out results/check.json]
     compute-sanitizer --tool memcheck python benchmarks/check_gpu.py --sanitize [--shape tp8]
 
 --sanitize runs only the bad expert id cases (benchmarks/bad_ids.py: ids E, -1, 10**6
@@ -40,6 +42,8 @@ from kimi_k3_moe.kernels.triton.probe import decode_rows  # noqa: E402
 from kimi_k3_moe.reference import dense_moe, relative_l2  # noqa: E402
 from kimi_k3_moe.experts import Mxfp4Experts, Int4Experts  # noqa: E402
 from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
+from kimi_k3_moe.bench.data import RoutingSource  # noqa: E402
+from kimi_k3_moe.bench.routing import ROUTINGS, routings_arg  # noqa: E402
 
 TOLERANCE = 1e-2
 MIN_ACT_DIFFERENCE = 5e-2  # SiLU vs SiTUv2 outputs must differ by more than this (relative L2)
@@ -98,6 +102,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--topk", type=int, default=16)
+    ap.add_argument("--routing", type=routings_arg, default=routings_arg("uniform,skewed"),
+                    help=f"comma list of {ROUTINGS}: the per-count MoE checks run under each")
     ap.add_argument("--sections", default="bf16,align,validate",
                     help="comma list: bf16 (MXFP4 and int4, bf16 activations, every path), align (the alignment "
                          "replayed over fresh routing against a PyTorch count), int4-methods (int4 conversions "
@@ -239,37 +245,40 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
     if dev == "cuda":
         precompile(recipes, args.workers)
 
-    for t in tokens:
+    sources = [RoutingSource(r, routed, topk, dev, gen) for r in args.routing]
+    for t, source in ((t, s) for t in tokens for s in sources):
+        routing = str(source.routing)
         hidden = random_hidden(t, h, dev, gen)
-        weights, ids = random_routing(t, routed, topk, dev, gen, held=held)
+        weights, ids = source(t, held=held)
         for weight_format in ("mxfp4", "int4"):
             outs = {}
             for act in (SILU, SITU):
                 ref = reference(caches[weight_format], hidden, weights, ids, act, ep_map)
                 for label, opts in variants(t):
                     be = get_backend("triton", weight_format=weight_format, **opts)
-                    source = be.lookup(prepared[weight_format], t).source
+                    config = be.lookup(prepared[weight_format], t).source
                     try:
                         out = run_once(be, prepared[weight_format], hidden, weights, ids, act, ep_map)
                         err = relative_l2(out.float(), ref)
                         finite = bool(torch.isfinite(out).all())
-                        chk.record(finite and err <= TOLERANCE, check="moe", tokens=t, weight_format=weight_format, act=act.name,
-                                   variant=label, rel_l2=err, finite=finite, config=source)
+                        chk.record(finite and err <= TOLERANCE, check="moe", tokens=t, routing=routing,
+                                   weight_format=weight_format, act=act.name, variant=label, rel_l2=err, finite=finite,
+                                   config=config)
                         outs[(act.name, label)] = out
                         if label == "default":
                             again = run_once(be, prepared[weight_format], hidden, weights, ids, act, ep_map)
-                            chk.record(torch.equal(again, out), check="repeatable", tokens=t, weight_format=weight_format,
-                                       act=act.name)
+                            chk.record(torch.equal(again, out), check="repeatable", tokens=t, routing=routing,
+                                       weight_format=weight_format, act=act.name)
                     except Exception as exc:
-                        chk.record(False, check="moe", tokens=t, weight_format=weight_format, act=act.name, variant=label,
-                                   error=f"{type(exc).__name__}: {exc}"[:300])
+                        chk.record(False, check="moe", tokens=t, routing=routing, weight_format=weight_format,
+                                   act=act.name, variant=label, error=f"{type(exc).__name__}: {exc}"[:300])
                         traceback.print_exc()
             for label, _ in variants(t):
                 a, b = outs.get(("silu", label)), outs.get(("situv2", label))
                 if a is not None and b is not None:
                     diff = relative_l2(a.float(), b.float())
-                    chk.record(diff > MIN_ACT_DIFFERENCE, check="silu!=situ", tokens=t, weight_format=weight_format, variant=label,
-                               rel_diff=diff)
+                    chk.record(diff > MIN_ACT_DIFFERENCE, check="silu!=situ", tokens=t, routing=routing,
+                               weight_format=weight_format, variant=label, rel_diff=diff)
 
     # Expert parallelism: odd experts live on another rank (3 tokens: the table's small-batch path;
     # 16 tokens and "aligned" at 3: the one-launch alignment; 64: the two-launch one).
