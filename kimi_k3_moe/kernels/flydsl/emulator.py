@@ -367,7 +367,7 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple, *, shuffle: torch.Gener
 
 
 def _arrive_and_sum(cfg, bid_m, bid_n, sid, y, book, out, num_tokens):
-    """moe_gemm._arrive then _sum_token: each row counts its arrival on its token's counter for this
+    """_details/top_k_sum.arrive then sum_token: each row counts its arrival on its token's counter for this
     column tile; a token whose count completes here has its output written from its rows in memory."""
     k, BN, N = cfg.top_k, cfg.BN, cfg.N
     slots = _words(sid.load(L.sid_byte_offset(bid_m * cfg.BM + torch.arange(cfg.BM)), 4))[:, 0]
