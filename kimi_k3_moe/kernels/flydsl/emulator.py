@@ -105,7 +105,7 @@ class _Buffer:
         """An int32 atomic +1 per lane, lane by lane (a global pointer: no range check on the GPU, so
         every address must lie in the tensor); the values before each add."""
         off = off.long().reshape(-1)
-        if bool((self._check(off, 4) == 0).any()) or bool((off % 4).any()):
+        if bool((~self._check(off, 4)).any()) or bool((off % 4).any()):
             raise EmulatorError(f"{self.name}: counter outside the tensor or misaligned")
         ints = self.bytes.view(torch.int32)
         old = torch.empty_like(off)

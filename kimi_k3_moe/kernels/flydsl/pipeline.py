@@ -117,10 +117,10 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
     w13, s13, o13 = experts.kernel_args("w13")
     w2, s2, o2 = experts.kernel_args("w2")
     step = min(chunk_tokens or T, max_chunk_tokens(H, I, k, E))
+    bf16_out = out.dtype == torch.bfloat16
     for start in range(0, T, step):
         stop = min(T, start + step)
         n = stop - start
-        bf16_out = out.dtype == torch.bfloat16
         if configs is None:
             cfg1, cfg2 = tiles.stage_configs(arch, experts.weight_format, hidden=H, inter=I, top_k=k,
                                              num_tokens=n, activation=activation, betas=betas,
