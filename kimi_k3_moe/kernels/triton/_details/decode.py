@@ -172,10 +172,20 @@ def _ptx_int4_word(w, scale_pair, offset_pair):
 
 
 @triton.jit
-def _bf16_pair(t):
-    # bf16 tensor -> int32 holding its bits in both halves (a bf16x2 operand)
-    b = t.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return b | (b << 16)
+def factor_pair(s, FMT: tl.constexpr, DECODE: tl.constexpr):
+    """A scale (e8m0 byte for MXFP4, bf16 for int4) or int4 offset -> the PTX decoders' bf16x2 operand
+    ($9 / $10 above) for its group's words: MXFP4 2^(b-1) (DECODE_PTX, b <= 128: (b + 126) << 7 in each
+    half, no carry across) or 2^(b-127) (DECODE_PTX_WIDE); int4 the value's bits in both halves."""
+    if FMT == FMT_MXFP4:
+        b = s.to(tl.int32)
+        if DECODE == DECODE_PTX_WIDE:
+            half = tl.where(b == 0, 0x40, b << 7)
+            return half | (half << 16)
+        else:
+            return b * 0x00800080 + 0x3F003F00
+    else:
+        h = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return h | (h << 16)
 
 
 @triton.jit
@@ -224,13 +234,10 @@ def decode_weight_raw(w, s, o, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
                      "unknown decoder")
     if FMT == FMT_MXFP4:
         if DECODE == DECODE_PTX:
-            # bf16 bits of 2^(b-1) in both halves: (b + 126) << 7, no carry across for b <= 128
-            pair = _group_broadcast(s.to(tl.int32) * 0x00800080 + 0x3F003F00, BLOCK_N, GROUPS, 4)
+            pair = _group_broadcast(factor_pair(s, FMT, DECODE), BLOCK_N, GROUPS, 4)
             v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, E2M1_WORD_PTX)
         elif DECODE == DECODE_PTX_WIDE:
-            b = s.to(tl.int32)
-            half = tl.where(b == 0, 0x40, b << 7)  # bf16 bits of 2^(b-127)
-            pair = _group_broadcast(half | (half << 16), BLOCK_N, GROUPS, 4)
+            pair = _group_broadcast(factor_pair(s, FMT, DECODE), BLOCK_N, GROUPS, 4)
             v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, E2M1_WIDE_WORD_PTX)
         else:
             sw = _group_broadcast(_e8m0_to_f32(s), BLOCK_N, GROUPS, 4)
@@ -243,9 +250,9 @@ def decode_weight_raw(w, s, o, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
             v6 = to_bf16(_e2m1_at(w, MAG6, SIGN6) * sw)
             v7 = to_bf16(_e2m1_at(w, MAG7, SIGN7) * sw)
     elif DECODE != DECODE_BITS:
-        sp = _group_broadcast(_bf16_pair(s), BLOCK_N, GROUPS, 4)
+        sp = _group_broadcast(factor_pair(s, FMT, DECODE), BLOCK_N, GROUPS, 4)
         if HAS_OFFSETS:
-            op = _group_broadcast(_bf16_pair(o), BLOCK_N, GROUPS, 4)
+            op = _group_broadcast(factor_pair(o, FMT, DECODE), BLOCK_N, GROUPS, 4)
         else:
             op = sp * 0 + NEG_ZERO_PAIR
         v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_int4_word(w, sp, op)
