@@ -218,6 +218,30 @@ def test_pdl_kernels_wait_for_their_predecessor_on_sm90_only():
         assert ("griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" in code) == (target == "sm_90")
 
 
+def test_the_warp_specialised_stage_1_feeds_its_wgmmas_from_registers_and_shared_memory():
+    """Path "ws" on sm_90 (docs/TRITON.md, "Warp-specialised stage 1"), both weight formats: a loader
+    warpgroup fills the ring with cp.async (LDGSTS) and arrives on its barrier as they land; the MMA
+    warps' wgmmas take the decoded weights as the register operand and the activation rows from shared
+    memory (HGMMA R.., gdesc[..]), the step's wgmmas chained and left in flight while the next step
+    decodes (one WARPGROUP.DEPBAR with a nonzero count in the K loop); registers handed from the loader
+    to the MMA warps (USETMAXREG); no spills."""
+    import re
+
+    from kimi_k3_moe.kernels.triton.aot import compile_launch, cuda_sass, meta_experts, plan_for_shape
+    s1 = tt.KernelConfig(128, 32, 8, 4, True, tt.KOrder.PAIRS)
+    cfg = tt.MoEConfig("ws", 160, s1, tt.KernelConfig(64, 128, 4, 3, True, tt.KOrder.PLAIN_INTER, 28), "ptx", 64)
+    for weight_format in ("mxfp4", "int4"):
+        plan = plan_for_shape(meta_experts(weight_format, 896, 3584, 384), 16384, 16, ActivationSpec(*SITU),
+                              cfg.validate(3584, 384))
+        report, kernel = compile_launch(next(l for l in plan if l.label == "stage1.ws"), "sm_90")
+        sass = cuda_sass(kernel.asm["cubin"])
+        assert report.spills == 0, report.row()
+        hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+        assert sorted(set(hgmma)) == ["128", "32"] and len(hgmma) == 8, hgmma  # (gate, up) x (main, tail) x 2 k16
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", sass)
+        assert "LDGSTS" in sass and "ARRIVES.LDGSTSBAR" in sass and "USETMAXREG" in sass
+
+
 def test_blocks_per_sm_follows_cudas_occupancy_rules():
     from kimi_k3_moe.kernels.triton.aot import blocks_per_sm
     assert blocks_per_sm("sm_90", 255, 8, 194 * 1024) == 1      # registers and shared memory both allow one

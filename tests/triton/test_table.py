@@ -4,6 +4,7 @@ Plain Python, no kernels: every tuned table shipped in the package and a
 synthetic one are probed at every tier edge, edge + 1 and far beyond.
 """
 import json
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -160,6 +161,27 @@ def test_config_json_roundtrip_and_validation():
 
 
 
+def test_the_warp_specialised_path_validates_its_tiles_and_runs_aligned_where_it_cannot():
+    """Path "ws" (sm_90, Gluon): stage 1 swapped in pair order, 16 weight rows per MMA warp, K steps of
+    32 or 64, a ring of >= 2; stage 2 reading plain or pair order. Off sm_90, without Gluon's Hopper API
+    or off NVIDIA, the same tiles run the aligned kernels."""
+    s1 = KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS)
+    cfg = MoEConfig("ws", 160, s1, KernelConfig(64, 128, 4, 3, True, KOrder.PLAIN_INTER, 28), "ptx", 64)
+    cfg.validate(3584, 384)
+    assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    assert cfg.for_target(True) == cfg
+    for off in (cfg.for_target(True, has_ws=False), cfg.for_target(False)):
+        assert off.path == "aligned" and off.stage1 == s1 and off.validate(3584, 384)
+    bad = {"swapped and in order 'pairs'": dict(order=KOrder.STACKED),
+           "16 x num_warps": dict(block_n=64),
+           "32 or 64 and num_stages": dict(block_k=128)}
+    for why, change in bad.items():
+        with pytest.raises(ValueError, match=f"path ws: .*{why}"):
+            replace(cfg, stage1=replace(s1, **change)).validate(3584, 384)
+    with pytest.raises(ValueError, match="path ws: stage 2 must read inter plain or in pair order"):
+        replace(cfg, stage2=KernelConfig(64, 128, 4, 3, True, KOrder.WORDS)).validate(3584, 384)
+
+
 def test_k_order_rules():
     """One field says the K order; validate keeps each order's needs: word dots a K step of 128+,
     plain-inter several N tiles (stage 2 only, so), stacked gate/up rows stage 1 only."""
@@ -273,6 +295,24 @@ def test_tuning_space_tries_tail_blocks_and_split_stage2_at_4096_plus():
                 c.validate(3584, 384)
     assert all(tt.row_tiles(bm)[1] == 0 for tier in (16, 256, 1024)
                for path, bm in ts.candidates(tier, 3584, 384) if path == "aligned")
+
+
+def test_tuning_space_tries_the_warp_specialised_stage_1_on_tail_blocks_that_fit_it():
+    """Path "ws" is tried (quick tunes included) on the 96- and 160-row tail blocks of the 4096 and 16384
+    tiers, at TP8 and TP16, with stage 2 on the same blocks; never at 192 rows (it spills) nor below 4096."""
+    from kimi_k3_moe.kernels.triton import tuning_space as ts
+    for inter in (384, 192):
+        for tier in ts.TIERS:
+            for quick in (False, True):
+                space = ts.candidates(tier, 3584, inter, quick)
+                ws = sorted(bm for path, bm in space if path == "ws")
+                assert ws == [bm for bm in ts.TAIL_BLOCKS.get(tier, ()) if bm in ts.WS_BLOCK_MS]
+                for bm in ws:
+                    s1, s2, base = space[("ws", bm)]
+                    assert len(s1) == len(ts.WS_S1) and len(s2) == len(ts.WS_S2)
+                    for c in (base, *s1, *s2):
+                        assert c.validate(3584, inter).path == "ws" and c.block_ms == (bm, bm)
+    assert ts.WS_BLOCK_MS == (96, 160) and sorted(b for v in ts.TAIL_BLOCKS.values() for b in v) == [96, 160, 192]
 
 
 def test_tuning_space_tries_the_direct_path_with_pdl_at_the_small_tiers():

@@ -127,15 +127,23 @@ class CompileReport:
         return asdict(self)
 
 
-def _cuda_resources(cubin: bytes) -> dict:
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        text = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def cuda_sass(cubin: bytes) -> str:
+    """The SASS of a compiled sm_90 kernel (Triton's cuobjdump)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def _cuda_resources(cubin: bytes) -> dict:
+    text = _cuobjdump(cubin, "--dump-resource-usage")
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
     return {k: int(v) for k, v in fields.items()}
 
@@ -148,16 +156,24 @@ def _amd_resources(amdgcn: str) -> dict:
                                  "group_segment_fixed_size", "private_segment_fixed_size")}
 
 
+def _source(kernel):
+    """triton.compile's source class for a kernel: Gluon kernels (path "ws") have their own."""
+    from triton.compiler import ASTSource
+    if type(kernel).__name__ == "GluonJITFunction":
+        from triton.experimental.gluon._runtime import GluonASTSource
+        return GluonASTSource
+    return ASTSource
+
+
 def compile_launch(launch: Launch, target: str) -> tuple[CompileReport, object]:
     """Compile `launch`'s kernel for `target` (a TARGETS key). Returns the report and the kernel."""
     import time
 
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     signature, constexprs, attrs = _signature(launch)
-    src = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = _source(launch.kernel)(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     start = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget(*TARGETS[target]),
                               options=launch.options())
@@ -178,5 +194,5 @@ def compile_launch(launch: Launch, target: str) -> tuple[CompileReport, object]:
         shared = max(md.shared, res["group_segment_fixed_size"])
     report = CompileReport(launch.name, target, launch.label, launch.num_warps, launch.num_stages, shown,
                            md.hash, regs, sgprs, spills, stack, shared, round(seconds, 2),
-                           blocks_per_sm(target, regs, launch.num_warps, shared))
+                           blocks_per_sm(target, regs, md.num_warps, shared))  # a warp-specialised kernel: all partitions
     return report, compiled

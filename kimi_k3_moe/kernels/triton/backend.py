@@ -28,7 +28,7 @@ from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.platform import PDL_MIN_SM, TRITON_MIN_SM, detect_platform, for_arch, is_rocm, sm_version
+from kimi_k3_moe.platform import PDL_MIN_SM, TRITON_MIN_SM, WS_SM, detect_platform, for_arch, is_rocm, sm_version
 from kimi_k3_moe.reference import check_routing
 
 ENV_INTERPRET = "TRITON_INTERPRET"
@@ -127,6 +127,7 @@ class TritonBackend(MoEBackend):
     def lookup(self, prepared, num_tokens: int) -> Lookup:
         dev_key, is_cuda = self._target(prepared.device)
         has_pdl = sm_version(self.arch) >= PDL_MIN_SM and triton_has_pdl()
+        has_ws = sm_version(self.arch) == WS_SM and triton_has_ws()
         if self.config is not None:
             found = Lookup(self.config, "pinned")
         else:
@@ -135,7 +136,7 @@ class TritonBackend(MoEBackend):
         cfg = found.config
         if self.decode is not None and self.decode != cfg.decode:
             cfg = replace(cfg, decode=self.decode)
-        target_cfg = cfg.for_target(is_cuda, has_pdl)
+        target_cfg = cfg.for_target(is_cuda, has_pdl, has_ws)
         decoded = "" if cfg is found.config else f" decode={target_cfg.decode}"
         return Lookup(target_cfg, found.source + decoded)
 
@@ -188,6 +189,16 @@ def triton_has_pdl() -> bool:
     """Whether this Triton launches programmatic dependents (3.4+: launch_pdl, griddepcontrol)."""
     from kimi_k3_moe.kernels.triton._details import pdl
     return pdl.AVAILABLE
+
+
+@lru_cache(maxsize=1)
+def triton_has_ws() -> bool:
+    """Whether this Triton has the Gluon Hopper API the warp-specialised stage 1 is written in (3.6+)."""
+    try:
+        from kimi_k3_moe.kernels.triton._details import ws_kernels  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 @lru_cache(maxsize=1)

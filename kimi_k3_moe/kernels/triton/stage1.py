@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec, UnsupportedActivationError
-from kimi_k3_moe.kernels.triton.table import KernelConfig
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
@@ -95,6 +95,25 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=False)
     grid = (pairs.max_blocks * cdiv(inter_size, cfg.block_n),)
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
+
+
+def stage1_ws(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
+              activation: ActivationSpec, cfg: KernelConfig, decode: str,
+              stage2: KernelConfig) -> tuple[torch.Tensor, Launch]:
+    """Path "ws" (sm_90): stage1_aligned's result from the warp-specialised kernel (_details/ws_kernels.py,
+    imported here: Gluon exists from Triton 3.6 on). `hidden` in pair order."""
+    from kimi_k3_moe.kernels.triton._details.ws_kernels import ws_stage1_kernel
+    inter_size = experts.intermediate_size
+    inter = torch.empty(pairs.num_pairs, inter_size, dtype=torch.bfloat16, device=hidden.device)
+    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
+                inter_ptr=inter, stride_im=inter.stride(0),
+                sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
+                num_pairs=pairs.num_pairs, inter_size=inter_size, hidden=experts.hidden_size,
+                **activation_args(activation), TOPK=topk, BLOCK_ROWS=pairs.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, OUT_PAIRS=stage2.order.stored_order == KOrder.PAIRS,
+                PDL=False)
+    grid = (pairs.max_blocks * cdiv(inter_size, cfg.block_n),)
+    return inter, Launch(ws_stage1_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.ws")
 
 
 def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,

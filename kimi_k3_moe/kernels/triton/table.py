@@ -29,7 +29,7 @@ from kimi_k3_moe.configs.user_tables import device_key  # noqa: F401  (the packa
 from kimi_k3_moe.configs.user_tables import triton_version
 from kimi_k3_moe.kernels.triton._details.constants import KOrder  # its home (with each order's code); imported from here too
 
-PATHS = ("gemv", "aligned", "direct")
+PATHS = ("gemv", "aligned", "direct", "ws")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
 # row blocks: a power of two, or a power-of-two main tile plus a smaller power-of-two tail tile
 # (row_tiles); the kernels take both tiles on one decoded weight tile
@@ -133,6 +133,9 @@ class MoEConfig:
     path "direct": the aligned path's matmuls with every pair a block of its
     own (block_m 16: one row and padding), so nothing is launched to group the
     pairs; for a few tokens, whose pairs nearly all have an expert to themselves.
+    path "ws": the aligned path with a warp-specialised stage 1 (sm_90, Gluon:
+    _details/ws_kernels.py); its stage-1 tiles must suit that kernel (`ws_misfit`).
+    Where it cannot run (`for_target`) the same tiles take the aligned kernels.
     """
 
     path: str = "aligned"
@@ -161,7 +164,7 @@ class MoEConfig:
             raise ValueError(f"path {self.path!r} not in {PATHS}")
         if self.decode not in DECODES:
             raise ValueError(f"decode {self.decode!r} not in {DECODES}")
-        if self.path == "aligned":
+        if self.path in ("aligned", "ws"):
             self._validate_row_blocks()
         elif self.stage2_block_m is not None:
             raise ValueError(f"stage2_block_m: the {self.path} path has no row blocks of its own")
@@ -176,6 +179,8 @@ class MoEConfig:
                 raise ValueError(f"stage{n}: {why}")
         if self.stage1.n_tiles != 1 or (self.path == "gemv" and self.stage2.n_tiles != 1):
             raise ValueError("n_tiles: only the aligned stage 2 takes several N tiles per program")
+        if self.path == "ws" and (why := ws_misfit(self.stage1, self.stage2)):
+            raise ValueError(f"path ws: {why}")
         return self
 
     def _validate_row_blocks(self) -> None:
@@ -204,11 +209,30 @@ class MoEConfig:
                    stage2=KernelConfig.from_json(d["stage2"], "stage2"),
                    stage2_block_m=None if s2_bm is None else int(s2_bm), pdl=bool(d.get("pdl", False)))
 
-    def for_target(self, is_cuda: bool, has_pdl: bool = True) -> "MoEConfig":
+    def for_target(self, is_cuda: bool, has_pdl: bool = True, has_ws: bool = True) -> "MoEConfig":
         """The PTX decode exists on NVIDIA only; elsewhere the portable decode. Programmatic
-        dependent launch needs NVIDIA sm_90+ (`has_pdl`, the backend knows the arch)."""
+        dependent launch needs NVIDIA sm_90+ (`has_pdl`, the backend knows the arch); path "ws"
+        needs sm_90 and a Triton with Gluon's Hopper API (`has_ws`), else its tiles run aligned."""
         cfg = self if is_cuda or self.decode == "bits" else replace(self, decode="bits")
+        if cfg.path == "ws" and not (is_cuda and has_ws):
+            cfg = replace(cfg, path="aligned")
         return cfg if cfg.pdl is False or (is_cuda and has_pdl) else replace(cfg, pdl=False)
+
+
+def ws_misfit(stage1: KernelConfig, stage2: KernelConfig) -> str | None:
+    """Why a stage-1 config cannot run the warp-specialised kernel (path "ws"), or None: it reads the
+    activations in pair order as the MMA's B operand (swap), one wgmma row block of 16 weight rows per
+    MMA warp (block_n = 16 x num_warps, num_warps 4 or 8), K steps of 32 or 64, a ring of >= 2 of them,
+    and stores inter plain or in pair order (stage 2's stored order)."""
+    if not stage1.swap or stage1.order != KOrder.PAIRS:
+        return "stage 1 must be swapped and in order 'pairs'"
+    if stage1.num_warps not in (4, 8) or stage1.block_n != 16 * stage1.num_warps:
+        return f"stage1.block_n = {stage1.block_n} must be 16 x num_warps ({stage1.num_warps}; 4 or 8)"
+    if stage1.block_k not in (32, 64) or stage1.num_stages < 2:
+        return f"stage1.block_k = {stage1.block_k} must be 32 or 64 and num_stages >= 2"
+    if stage2.order.stored_order == KOrder.WORDS:
+        return "stage 2 must read inter plain or in pair order"
+    return None
 
 
 @dataclass(frozen=True)
