@@ -10,6 +10,7 @@ from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton import tuning_space
+from kimi_k3_moe.kernels.triton.backend import triton_has_ws
 from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.tune.loop import PACKAGED, TIMED, Candidate, is_packaged
 
@@ -30,6 +31,8 @@ class TritonTarget:
         self._tiers = list(tiers or tuning_space.TIERS)
         self.experts = experts
         self.is_cuda = experts.device.type == "cuda" and not getattr(torch.version, "hip", None)
+        # path "ws" where the backend runs it (sm_90 with Gluon's Hopper API); elsewhere its tiles run aligned
+        self.has_ws = self.is_cuda and torch.cuda.get_device_capability(experts.device) == (9, 0) and triton_has_ws()
         self.prepared = prepare_for(get_backend("triton", weight_format=weight_format), experts)
 
     def tiers(self) -> list[int]:
@@ -39,7 +42,7 @@ class TritonTarget:
         return {"weight_format": self.weight_format, "quick": self.quick}
 
     def _cand(self, tier, cfg, label) -> Candidate:
-        cfg = cfg.for_target(self.is_cuda)
+        cfg = cfg.for_target(self.is_cuda, has_ws=self.has_ws)
         return Candidate(tier, _key(cfg), cfg, f"T{tier} {label}")
 
     def candidates(self, tier: int, done: dict) -> list[Candidate]:

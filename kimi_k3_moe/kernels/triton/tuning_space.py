@@ -77,6 +77,13 @@ SPLIT_STAGE2_BLOCK_M = 128
 # each. Tried on both kinds of block, inter in pair order and read plainly (PLAIN_INTER).
 TAIL_S2_TILES = [(64, 128, 4, 3, PAIRS, 28), (64, 128, 4, 2, PAIRS, 28),
                  (64, 128, 4, 3, PLAIN_INTER, 28), (64, 128, 4, 2, PLAIN_INTER, 28)]
+# path "ws" (sm_90: the warp-specialised stage 1, docs/TRITON.md) on the same tail blocks: 128 weight rows
+# over 8 MMA warps, K steps of 32 in a ring of 4 or 6 (57 / 86 KB of shared memory at 160 rows), with the
+# many-tile stage 2 above. Not yet timed on an H200: the tuner measures it beside the aligned tiles and a
+# table takes it only where it wins.
+WS_S1 = [(128, 32, 8, 4, PAIRS), (128, 32, 8, 6, PAIRS)]
+WS_BLOCK_MS = (96, 160)  # at 192 rows the four accumulators and two steps' operands spill (sm_90, Triton 3.8)
+WS_S2 = [(64, 128, 4, 3, PLAIN_INTER, 28), (64, 128, 4, 3, PAIRS, 28)]
 
 
 def block_ms(tier: int) -> list[int]:
@@ -143,6 +150,13 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
     return out
 
 
+def ws_config(tier: int, hidden: int, inter: int) -> MoEConfig | None:
+    """The first path "ws" candidate of a tier (its first tail block that fits), or None: what
+    benchmarks/check_gpu.py checks beside the table's entries while no entry uses the path."""
+    found = [v[2] for (path, _), v in candidates(tier, hidden, inter, quick=True).items() if path == "ws"]
+    return found[0] if found else None
+
+
 def _winners_first(tiles: list, winners: list) -> list:
     """`tiles` with `winners` moved to the front (so a quick tune, which takes the first few, tries them)."""
     return list(winners) + [t for t in tiles if t not in winners]
@@ -178,4 +192,15 @@ def _tail_candidates(base_h: MoEConfig, bm: int, hidden: int, inter: int, n: int
     s2 = [replace(c, stage2=_fit_k(c.stage2, inter)) for c in s2]
     s1 = [c for c in s1 if valid(c, hidden, inter)]
     s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
-    return {("aligned", bm): (s1, s2, base if valid(base, hidden, inter) else s1[0])} if s1 and s2 else {}
+    out = {("aligned", bm): (s1, s2, base if valid(base, hidden, inter) else s1[0])} if s1 and s2 else {}
+    return out | _ws_candidates(base, hidden, inter, n)
+
+
+def _ws_candidates(base: MoEConfig, hidden: int, inter: int, n: int | None) -> dict:
+    """Path "ws" on base's row blocks: WS_S1 x the first WS_S2 (on the same blocks), the first WS_S1 x WS_S2."""
+    if base.block_m not in WS_BLOCK_MS:
+        return {}
+    ws = replace(base, path="ws", stage1=kc(WS_S1[0]), stage2=_fit_k(kc(WS_S2[0]), inter), stage2_block_m=None)
+    s1 = [c for c in (replace(ws, stage1=kc(t)) for t in WS_S1[:n]) if valid(c, hidden, inter)]
+    s2 = [c for c in (replace(ws, stage2=_fit_k(kc(t), inter)) for t in WS_S2[:n]) if valid(c, hidden, inter)]
+    return {("ws", base.block_m): (s1, s2, s1[0])} if s1 and s2 else {}
