@@ -79,21 +79,26 @@ def pair_order(hidden: torch.Tensor, block_t: int = 16, block_k: int = 512) -> t
         BLOCK_T=block_t, BLOCK_K=block_k, PDL=False), 4, 1, "stage1.pair_order")
 
 
+def _aligned_args(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
+                  activation: ActivationSpec, cfg: KernelConfig, decode: str) -> tuple[torch.Tensor, dict]:
+    """inter ([pairs, I] bf16, per pair) and the arguments both row-block stage-1 kernels take."""
+    inter = torch.empty(pairs.num_pairs, experts.intermediate_size, dtype=torch.bfloat16, device=hidden.device)
+    return inter, dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
+                       inter_ptr=inter, stride_im=inter.stride(0),
+                       sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
+                       num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
+                       inter_size=experts.intermediate_size, hidden=experts.hidden_size,
+                       **activation_args(activation), TOPK=topk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=False)
+
+
 def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
                    activation: ActivationSpec, cfg: KernelConfig, decode: str,
                    stage2: KernelConfig) -> tuple[torch.Tensor, Launch]:
     """`hidden` must already be in the order cfg reads (KOrder.stored_order); inter comes out in
     the order `stage2` (stage 2's config) reads."""
-    inter_size = experts.intermediate_size
-    inter = torch.empty(pairs.num_pairs, inter_size, dtype=torch.bfloat16, device=hidden.device)  # per pair
-    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
-                inter_ptr=inter, stride_im=inter.stride(0),
-                sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert,
-                num_rows_ptr=pairs.num_rows, num_pairs=pairs.num_pairs,
-                inter_size=inter_size, hidden=experts.hidden_size, **activation_args(activation),
-                TOPK=topk, SWAP=cfg.swap, **stage1_args(cfg, stage2), **row_tile_args(pairs),
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=False)
-    grid = (pairs.max_blocks * cdiv(inter_size, cfg.block_n),)
+    inter, args = _aligned_args(experts, hidden, pairs, topk, activation, cfg, decode)
+    args.update(SWAP=cfg.swap, **stage1_args(cfg, stage2), **row_tile_args(pairs))
+    grid = (pairs.max_blocks * cdiv(experts.intermediate_size, cfg.block_n),)
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
 
 
@@ -103,16 +108,10 @@ def stage1_ws(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs,
     """Path "ws" (sm_90): stage1_aligned's result from the warp-specialised kernel (_details/ws_kernels.py,
     imported here: Gluon exists from Triton 3.6 on). `hidden` in pair order."""
     from kimi_k3_moe.kernels.triton._details.ws_kernels import ws_stage1_kernel
-    inter_size = experts.intermediate_size
-    inter = torch.empty(pairs.num_pairs, inter_size, dtype=torch.bfloat16, device=hidden.device)
-    args = dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
-                inter_ptr=inter, stride_im=inter.stride(0),
-                sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
-                num_pairs=pairs.num_pairs, inter_size=inter_size, hidden=experts.hidden_size,
-                **activation_args(activation), TOPK=topk, BLOCK_ROWS=pairs.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, STAGES=cfg.num_stages, OUT_PAIRS=stage2.order.stored_order == KOrder.PAIRS,
-                PDL=False)
-    grid = (pairs.max_blocks * cdiv(inter_size, cfg.block_n),)
+    inter, args = _aligned_args(experts, hidden, pairs, topk, activation, cfg, decode)
+    args.update(BLOCK_ROWS=pairs.block_m, STAGES=cfg.num_stages,
+                OUT_PAIRS=stage2.order.stored_order == KOrder.PAIRS)
+    grid = (pairs.max_blocks * cdiv(experts.intermediate_size, cfg.block_n),)
     return inter, Launch(ws_stage1_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.ws")
 
 

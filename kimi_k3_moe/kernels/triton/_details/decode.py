@@ -155,7 +155,7 @@ def _interleave4(v0, v1, v2, v3, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _ptx_e2m1_word(w, factor_pair, ASM: tl.constexpr):
+def ptx_e2m1_word(w, factor_pair, ASM: tl.constexpr):
     # w: int32 words; factor_pair: int32, the word's bf16 factor ($9 above) in both halves;
     # ASM: E2M1_WORD_PTX or E2M1_WIDE_WORD_PTX
     return tl.inline_asm_elementwise(
@@ -164,7 +164,7 @@ def _ptx_e2m1_word(w, factor_pair, ASM: tl.constexpr):
 
 
 @triton.jit
-def _ptx_int4_word(w, scale_pair, offset_pair):
+def ptx_int4_word(w, scale_pair, offset_pair):
     # scale_pair / offset_pair: int32, the word's bf16 scale / offset in both halves
     return tl.inline_asm_elementwise(
         asm=INT4_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", args=[w, scale_pair, offset_pair],
@@ -235,10 +235,10 @@ def decode_weight_raw(w, s, o, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
     if FMT == FMT_MXFP4:
         if DECODE == DECODE_PTX:
             pair = _group_broadcast(factor_pair(s, FMT, DECODE), BLOCK_N, GROUPS, 4)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, E2M1_WORD_PTX)
+            v0, v1, v2, v3, v4, v5, v6, v7 = ptx_e2m1_word(w, pair, E2M1_WORD_PTX)
         elif DECODE == DECODE_PTX_WIDE:
             pair = _group_broadcast(factor_pair(s, FMT, DECODE), BLOCK_N, GROUPS, 4)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_e2m1_word(w, pair, E2M1_WIDE_WORD_PTX)
+            v0, v1, v2, v3, v4, v5, v6, v7 = ptx_e2m1_word(w, pair, E2M1_WIDE_WORD_PTX)
         else:
             sw = _group_broadcast(_e8m0_to_f32(s), BLOCK_N, GROUPS, 4)
             v0 = to_bf16(_e2m1_at(w, MAG0, SIGN0) * sw)
@@ -255,7 +255,7 @@ def decode_weight_raw(w, s, o, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
             op = _group_broadcast(factor_pair(o, FMT, DECODE), BLOCK_N, GROUPS, 4)
         else:
             op = sp * 0 + NEG_ZERO_PAIR
-        v0, v1, v2, v3, v4, v5, v6, v7 = _ptx_int4_word(w, sp, op)
+        v0, v1, v2, v3, v4, v5, v6, v7 = ptx_int4_word(w, sp, op)
     else:
         sw = _group_broadcast(s.to(tl.float32), BLOCK_N, GROUPS, 4)
         ow = _group_broadcast(o.to(tl.float32), BLOCK_N, GROUPS, 4)
@@ -320,7 +320,14 @@ def to_pair_order(v):
 def load_weight_pairs(tile, k0, code, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile in pair order, bf16 [BLOCK_N, BLOCK_K]: column c holds K = k0 + pair_order(c)."""
     v0, v1, v2, v3, v4, v5, v6, v7 = load_weight_words(tile, k0, code, BLOCK_N, BLOCK_K)
-    # [BN, C, b, p0, p1] with word c = 4g + q and pair p = 2 p1 + p0
+    return words_to_pair_order(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def words_to_pair_order(v0, v1, v2, v3, v4, v5, v6, v7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """decode_weight_raw's v0..v7 ([BLOCK_N, BLOCK_K/8] each) -> one bf16 [BLOCK_N, BLOCK_K] tile in pair order.
+    Each word's eight values stay in the thread that holds the word (only the register order changes)."""
+    # [BN, C, b, p0, p1] with word c = 4g + q and pair p = 2 p1 + p0 (each join appends its axis last)
     t = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
     t = tl.reshape(t, (BLOCK_N, BLOCK_K // 32, 4, 2, 2, 2))
     t = tl.permute(t, (0, 1, 5, 4, 2, 3))  # -> [BN, g, p1, p0, q, b]

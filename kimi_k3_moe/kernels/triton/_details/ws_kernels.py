@@ -21,17 +21,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import (E2M1_WIDE_WORD_PTX, E2M1_WORD_PTX, INT4_WORD_PTX,
-                                                        WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, factor_pair)
+from kimi_k3_moe.kernels.triton._details.decode import (DECODE_PTX_WIDE, E2M1_WIDE_WORD_PTX, E2M1_WORD_PTX, FMT_MXFP4,
+                                                        NEG_ZERO_PAIR, WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS,
+                                                        factor_pair, ptx_e2m1_word, ptx_int4_word,
+                                                        to_pair_order, words_to_pair_order)
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 
 # cp.async global -> shared: async_load from Triton 3.8 on (3.9 dropped the older name, 3.6 lacks the new one)
 async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-FMT_MXFP4 = gl.constexpr(C.FMT_MXFP4)
-DECODE_PTX_WIDE = gl.constexpr(C.DECODE_PTX_WIDE)
-NEG_ZERO_PAIR = gl.constexpr(-2147450880)  # bf16x2 (-0.0, -0.0): the offset operand of int4 without offsets
 LOADER_WARPS = gl.constexpr(4)
 LOADER_REGS = gl.constexpr(48)  # its pointers; the rest of the register file goes to the MMA warps
 
@@ -50,25 +48,16 @@ def word_layout(rows, block_k, num_warps):
 
 @gluon.jit
 def _decode_operand(words, f, o, dot: gl.constexpr, FMT: gl.constexpr, DECODE: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Words in word_layout -> the bf16 wgmma A operand [rows, BLOCK_K] in pair order."""
+    """Words in word_layout -> the bf16 wgmma A operand [rows, BLOCK_K] in pair order (decode.py's decoders)."""
     if FMT == FMT_MXFP4:
         if DECODE == DECODE_PTX_WIDE:
-            asm: gl.constexpr = E2M1_WIDE_WORD_PTX
+            v0, v1, v2, v3, v4, v5, v6, v7 = ptx_e2m1_word(words, f, E2M1_WIDE_WORD_PTX)
         else:
-            asm: gl.constexpr = E2M1_WORD_PTX
-        v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-            asm=asm, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r", args=[words, f], dtype=(gl.bfloat16, ) * 8,
-            is_pure=True, pack=1)
+            v0, v1, v2, v3, v4, v5, v6, v7 = ptx_e2m1_word(words, f, E2M1_WORD_PTX)
     else:
-        v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-            asm=INT4_WORD_PTX, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", args=[words, f, o],
-            dtype=(gl.bfloat16, ) * 8, is_pure=True, pack=1)
-    ROWS: gl.constexpr = words.shape[0]
-    # [R, word, i, j, k] = v(4i + 2j + k): pair 2i + j, half k
-    t = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
-    t = gl.reshape(t, [ROWS, BLOCK_K // 32, 4, 2, 2, 2])   # [R, g, q, i, j, k]
-    t = gl.permute(t, [0, 1, 3, 4, 2, 5])                  # [R, g, i, j, q, k]: column 32g + 8p + 2q + k
-    return gl.convert_layout(gl.reshape(t, [ROWS, BLOCK_K]), dot, assert_trivial=True)
+        v0, v1, v2, v3, v4, v5, v6, v7 = ptx_int4_word(words, f, o)
+    t = words_to_pair_order(v0, v1, v2, v3, v4, v5, v6, v7, words.shape[0], BLOCK_K)
+    return gl.convert_layout(t, dot, assert_trivial=True)
 
 
 @gluon.jit
@@ -200,17 +189,17 @@ def _mma(s_ptr, o_ptr, s_base, stride_sn, n0, inter_size, raw_bufs, x_bufs, xt_b
 def _store_inter(acc_g, acc_u, sorted_ptr, start, num_pairs, inter_ptr, stride_im, n0, inter_size, beta, linear_beta,
                  ACT: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, OUT_PAIRS: gl.constexpr):
     """act(gate, up) of one tile ([BLOCK_N columns, ROWS rows]) stored at its real rows' pairs, plain or,
-    OUT_PAIRS, in pair order (decode.to_pair_order's permute inside each 32-group of columns)."""
-    h = apply_activation(acc_g, acc_u, beta, linear_beta, ACT).to(gl.bfloat16)
+    OUT_PAIRS, in pair order (decode.to_pair_order)."""
+    h = gl.permute(apply_activation(acc_g, acc_u, beta, linear_beta, ACT).to(gl.bfloat16), [1, 0])
     if OUT_PAIRS:
-        h = gl.reshape(gl.permute(gl.reshape(h, [BLOCK_N // 32, 4, 4, 2, ROWS]), [0, 2, 1, 3, 4]), [BLOCK_N, ROWS])
+        h = to_pair_order(h)
     W: gl.constexpr = gl.num_warps()
-    out: gl.constexpr = gl.BlockedLayout([8, 1], [BLOCK_N // 8, 256 // BLOCK_N], [1, W], [0, 1])
+    out: gl.constexpr = gl.BlockedLayout([1, 8], [256 // BLOCK_N, BLOCK_N // 8], [W, 1], [1, 0])
     h = gl.convert_layout(h, out)  # 16-byte stores along each row
-    pair = gl.load(sorted_ptr + start + gl.arange(0, ROWS, layout=gl.SliceLayout(0, out)))
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out))
-    ptr = inter_ptr + pair.to(gl.int64)[None, :] * stride_im + n[:, None]
-    gl.store(ptr, h, mask=(pair < num_pairs)[None, :] & (n < inter_size)[:, None])
+    pair = gl.load(sorted_ptr + start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out)))
+    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out))
+    ptr = inter_ptr + pair.to(gl.int64)[:, None] * stride_im + n[None, :]
+    gl.store(ptr, h, mask=(pair < num_pairs)[:, None] & (n < inter_size)[None, :])
 
 
 @gluon.jit(do_not_specialize=["num_pairs"])
