@@ -219,8 +219,8 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
                                                            block_m=16)}))
         if t <= 16:
             out.append(("gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}))
-        if (ws := tuning_space.ws_config(t, h, i)) is not None:  # path "ws" (sm_90; aligned elsewhere)
-            out.append(("ws", {"config": ws}))
+        # the warp-specialised kernels (sm_90; aligned elsewhere), together and each alone
+        out += [(label, {"config": cfg}) for label, cfg in tuning_space.ws_configs(t, h, i).items()]
         if t in (16, 257):
             base = heuristic_config(h, i, t, is_cuda=dev == "cuda")
             if base.path == "aligned" and base.stage1.block_k >= 128 and base.stage2.block_k >= 128:

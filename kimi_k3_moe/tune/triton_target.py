@@ -31,7 +31,7 @@ class TritonTarget:
         self._tiers = list(tiers or tuning_space.TIERS)
         self.experts = experts
         self.is_cuda = experts.device.type == "cuda" and not getattr(torch.version, "hip", None)
-        # path "ws" where the backend runs it (sm_90 with Gluon's Hopper API); elsewhere its tiles run aligned
+        # the warp-specialised kernels where the backend runs them (sm_90 with Gluon's Hopper API); elsewhere their tiles run aligned
         self.has_ws = self.is_cuda and torch.cuda.get_device_capability(experts.device) == (9, 0) and triton_has_ws()
         self.prepared = prepare_for(get_backend("triton", weight_format=weight_format), experts)
 

@@ -328,17 +328,19 @@ def test_tail_tile_under_an_expert_map(order, problem):
     assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
 
 
-# path "ws" (the warp-specialised stage 1, sm_90 only) on 32 + 16 row blocks, stage 2 reading inter plainly
-WS = MoEConfig("ws", 48, KernelConfig(64, 32, 4, 4, True, KOrder.PAIRS), TAIL_S2_TILES_PLAIN.stage2, "bits")
+# both stages warp-specialised (sm_90 only) on 32 + 16 row blocks: 64 weight rows over 4 MMA warps
+WS = MoEConfig("aligned", 48, KernelConfig(64, 32, 4, 4, True, KOrder.PAIRS, ws=True),
+               KernelConfig(64, 32, 4, 2, True, KOrder.PAIRS, 4, ws=True), "bits")
 
 
-def test_the_warp_specialised_path_runs_its_tiles_aligned_off_sm90(problem):
-    """Where the warp-specialised stage 1 cannot run (here: the interpreter; on a GPU: anything but sm_90
-    or a Triton without Gluon's Hopper API) a pinned path "ws" runs the same tiles on the aligned
-    kernels (MoEConfig.for_target), to the reference, SiTUv2 and SiLU apart."""
+def test_the_warp_specialised_stages_run_their_tiles_aligned_off_sm90(problem):
+    """Where the warp-specialised kernels cannot run (here: the interpreter; on a GPU: anything but sm_90
+    or a Triton without Gluon's Hopper API) a pinned config asking for them runs the same tiles on the
+    aligned kernels (MoEConfig.for_target), to the reference, SiTUv2 and SiLU apart."""
     ex, _, gen = problem
     backend = get_backend("triton", config=WS.validate(P.H, P.I))
     prepared = backend.prepare(ex)
-    assert backend.lookup(prepared, 64).config == replace(WS, path="aligned")
+    assert backend.lookup(prepared, 64).config == replace(WS, stage1=replace(WS.stage1, ws=False),
+                                                          stage2=replace(WS.stage2, ws=False))
     weights, ids = skewed_routing(gen)
     assert_follows_the_activation(backend, prepared, P.hidden(gen, 64), weights, ids, "ws off sm_90")

@@ -161,25 +161,39 @@ def test_config_json_roundtrip_and_validation():
 
 
 
-def test_the_warp_specialised_path_validates_its_tiles_and_runs_aligned_where_it_cannot():
-    """Path "ws" (sm_90, Gluon): stage 1 swapped in pair order, 16 weight rows per MMA warp, K steps of
-    32 or 64, a ring of >= 2; stage 2 reading plain or pair order. Off sm_90, without Gluon's Hopper API
-    or off NVIDIA, the same tiles run the aligned kernels."""
-    s1 = KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS)
-    cfg = MoEConfig("ws", 160, s1, KernelConfig(64, 128, 4, 3, True, KOrder.PLAIN_INTER, 28), "ptx", 64)
-    cfg.validate(3584, 384)
-    assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
-    assert cfg.for_target(True) == cfg
-    for off in (cfg.for_target(True, has_ws=False), cfg.for_target(False)):
-        assert off.path == "aligned" and off.stage1 == s1 and off.validate(3584, 384)
-    bad = {"swapped and in order 'pairs'": dict(order=KOrder.STACKED),
+def test_the_warp_specialised_stages_validate_their_tiles_and_run_aligned_where_they_cannot():
+    """KernelConfig.ws (sm_90, Gluon), either stage of the aligned path: swapped in pair order, 16 weight
+    rows per MMA warp, K steps of 32 or 64, a ring of >= 2; stage 1 with a stage 2 reading plain or pair
+    order, stage 2 holding its block's inter rows in shared memory. Off sm_90, without Gluon's Hopper API or
+    off NVIDIA, the same tiles run the aligned kernels. The path "ws" of the release before reads as the
+    aligned path with stage 1 warp-specialised."""
+    s1 = KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS, ws=True)
+    s2 = KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS, 28, ws=True)
+    for cfg in (MoEConfig("aligned", 160, s1, KernelConfig(64, 128, 4, 3, True, KOrder.PLAIN_INTER, 28), "ptx", 64),
+                MoEConfig("aligned", 160, s1, s2, "ptx"), MoEConfig("aligned", 96, KernelConfig(64, 128, 4, 3, True), s2)):
+        cfg.validate(3584, 384)
+        assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+        assert cfg.for_target(True) == cfg
+        for off in (cfg.for_target(True, has_ws=False), cfg.for_target(False)):
+            assert not (off.stage1.ws or off.stage2.ws) and off.validate(3584, 384)
+            assert replace(off.stage1, ws=cfg.stage1.ws) == cfg.stage1
+    assert "ws" not in KernelConfig().to_json()  # tables without the field read as before
+    legacy = {**cfg.to_json(), "path": "ws", "stage1": {**s1.to_json(), "ws": False}}
+    assert MoEConfig.from_json(legacy).stage1 == s1
+    bad = {"swapped and in order 'pairs'": dict(order=KOrder.INTERLEAVE),
            "16 x num_warps": dict(block_n=64),
            "32 or 64 and num_stages": dict(block_k=128)}
     for why, change in bad.items():
-        with pytest.raises(ValueError, match=f"path ws: .*{why}"):
-            replace(cfg, stage1=replace(s1, **change)).validate(3584, 384)
-    with pytest.raises(ValueError, match="path ws: stage 2 must read inter plain or in pair order"):
-        replace(cfg, stage2=KernelConfig(64, 128, 4, 3, True, KOrder.WORDS)).validate(3584, 384)
+        for n in (1, 2):
+            with pytest.raises(ValueError, match=f"stage{n}.ws: .*{why}"):
+                cfg = MoEConfig("aligned", 160, s1, s2)
+                replace(cfg, **{f"stage{n}": replace(getattr(cfg, f"stage{n}"), **change)}).validate(3584, 384)
+    with pytest.raises(ValueError, match="stage1.ws: stage 2 must read inter plain or in pair order"):
+        MoEConfig("aligned", 160, s1, KernelConfig(64, 128, 4, 3, True, KOrder.WORDS)).validate(3584, 384)
+    with pytest.raises(ValueError, match=r"stage2.ws: a block's inter rows \(160 x I = 3072"):
+        MoEConfig("aligned", 160, s1, s2).validate(3584, 3072)  # EP16
+    with pytest.raises(ValueError, match="stage2.ws: the warp-specialised kernels are the aligned path's"):
+        MoEConfig("direct", 16, KernelConfig(32, 256, 4, 3, True, KOrder.STACKED), s2).validate(3584, 384)
 
 
 def test_k_order_rules():
@@ -297,21 +311,28 @@ def test_tuning_space_tries_tail_blocks_and_split_stage2_at_4096_plus():
                for path, bm in ts.candidates(tier, 3584, 384) if path == "aligned")
 
 
-def test_tuning_space_tries_the_warp_specialised_stage_1_on_tail_blocks_that_fit_it():
-    """Path "ws" is tried (quick tunes included) on the 96- and 160-row tail blocks of the 4096 and 16384
-    tiers, at TP8 and TP16, with stage 2 on the same blocks; never at 192 rows (it spills) nor below 4096."""
+def test_tuning_space_tries_the_warp_specialised_stages_on_tail_blocks_that_fit_them():
+    """The warp-specialised stage 1 (group "ws") is tried (quick tunes included) on the 96- and 160-row
+    tail blocks of the 4096 and 16384 tiers, at TP8, TP16 and EP16, never at 192 rows (it spills) nor
+    below 4096. Its stage 2: the warp-specialised one (WS_S2) and the many-tile aligned one on the same
+    blocks where they fit (TP8, TP16), else the tail blocks' own (EP16); the aligned stage 1 is tried with
+    the warp-specialised stage 2 as well."""
     from kimi_k3_moe.kernels.triton import tuning_space as ts
-    for inter in (384, 192):
+    for inter in (384, 192, 3072):
         for tier in ts.TIERS:
             for quick in (False, True):
                 space = ts.candidates(tier, 3584, inter, quick)
-                ws = sorted(bm for path, bm in space if path == "ws")
+                ws = sorted(bm for group, bm in space if group == "ws")
                 assert ws == [bm for bm in ts.TAIL_BLOCKS.get(tier, ()) if bm in ts.WS_BLOCK_MS]
                 for bm in ws:
                     s1, s2, base = space[("ws", bm)]
-                    assert len(s1) == len(ts.WS_S1) and len(s2) == len(ts.WS_S2)
+                    assert len(s1) == len(ts.WS_S1) and base.stage2.ws == (inter != 3072)
+                    assert sum(c.stage2.ws for c in s2) == (len(ts.WS_S2[:ts.QUICK if quick else None])
+                                                            if inter != 3072 else 0)
                     for c in (base, *s1, *s2):
-                        assert c.validate(3584, inter).path == "ws" and c.block_ms == (bm, bm)
+                        assert c.validate(3584, inter).stage1.ws and c.block_m == bm
+                    aligned_s2 = space[("aligned", bm)][1]
+                    assert sum(c.stage2.ws for c in aligned_s2) == (inter != 3072)
     assert ts.WS_BLOCK_MS == (96, 160) and sorted(b for v in ts.TAIL_BLOCKS.values() for b in v) == [96, 160, 192]
 
 

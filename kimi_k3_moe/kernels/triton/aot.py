@@ -157,7 +157,7 @@ def _amd_resources(amdgcn: str) -> dict:
 
 
 def _source(kernel):
-    """triton.compile's source class for a kernel: Gluon kernels (path "ws") have their own."""
+    """triton.compile's source class for a kernel: Gluon kernels (KernelConfig.ws) have their own."""
     from triton.compiler import ASTSource
     if type(kernel).__name__ == "GluonJITFunction":
         from triton.experimental.gluon._runtime import GluonASTSource

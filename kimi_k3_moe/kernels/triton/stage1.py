@@ -105,7 +105,7 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
 def stage1_ws(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
               activation: ActivationSpec, cfg: KernelConfig, decode: str,
               stage2: KernelConfig) -> tuple[torch.Tensor, Launch]:
-    """Path "ws" (sm_90): stage1_aligned's result from the warp-specialised kernel (_details/ws_kernels.py,
+    """stage1_aligned's result (sm_90) from the warp-specialised kernel (_details/ws_kernels.py,
     imported here: Gluon exists from Triton 3.6 on). `hidden` in pair order."""
     from kimi_k3_moe.kernels.triton._details.ws_kernels import ws_stage1_kernel
     inter, args = _aligned_args(experts, hidden, pairs, topk, activation, cfg, decode)

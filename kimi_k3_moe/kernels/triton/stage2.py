@@ -21,18 +21,34 @@ def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPa
                    topk_weights: torch.Tensor, out: torch.Tensor, cfg: KernelConfig,
                    decode: str) -> list[Launch]:
     """Two launches: the matmul writes y[pair] (bf16), then y is summed per token in slot order."""
-    hidden = experts.hidden_size
-    topk = topk_weights.shape[1]
-    y = torch.empty(pairs.num_pairs, hidden, dtype=torch.bfloat16, device=inter.device)
-    matmul = Launch(stage2_aligned_kernel, (pairs.max_blocks * cdiv(hidden, cfg.block_n * cfg.n_tiles),), dict(
-        inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2", decode),
-        y_ptr=y, stride_ym=y.stride(0), topk_w_ptr=topk_weights.reshape(-1),
-        sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
-        num_pairs=pairs.num_pairs, hidden=hidden, inter_size=experts.intermediate_size,
-        SWAP=cfg.swap, **stage2_args(cfg),
-        **row_tile_args(pairs), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles,
-        PDL=False), cfg.num_warps, cfg.num_stages, "stage2.aligned")
-    return [matmul, topk_reduce(y, pairs, out, topk)]
+    y, args = _row_block_args(experts, inter, pairs, topk_weights, cfg, decode)
+    args.update(SWAP=cfg.swap, **stage2_args(cfg), **row_tile_args(pairs))
+    grid = (pairs.max_blocks * cdiv(experts.hidden_size, cfg.block_n * cfg.n_tiles),)
+    matmul = Launch(stage2_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage2.aligned")
+    return [matmul, topk_reduce(y, pairs, out, topk_weights.shape[1])]
+
+
+def _row_block_args(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPairs, topk_weights: torch.Tensor,
+                    cfg: KernelConfig, decode: str) -> tuple[torch.Tensor, dict]:
+    """y ([pairs, H] bf16, per pair) and the arguments both row-block stage-2 kernels take."""
+    y = torch.empty(pairs.num_pairs, experts.hidden_size, dtype=torch.bfloat16, device=inter.device)
+    return y, dict(inter_ptr=inter, stride_im=inter.stride(0), **weight_args(experts, "w2", decode),
+                   y_ptr=y, stride_ym=y.stride(0), topk_w_ptr=topk_weights.reshape(-1),
+                   sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
+                   num_pairs=pairs.num_pairs, hidden=experts.hidden_size, inter_size=experts.intermediate_size,
+                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles, PDL=False)
+
+
+def stage2_ws(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPairs,
+              topk_weights: torch.Tensor, out: torch.Tensor, cfg: KernelConfig, decode: str) -> list[Launch]:
+    """stage2_aligned's result (sm_90) with the matmul from the warp-specialised kernel
+    (_details/ws_kernels.py, imported here: Gluon exists from Triton 3.6 on). `inter` in pair order."""
+    from kimi_k3_moe.kernels.triton._details.ws_kernels import ws_stage2_kernel
+    y, args = _row_block_args(experts, inter, pairs, topk_weights, cfg, decode)
+    args.update(BLOCK_ROWS=pairs.block_m, STAGES=cfg.num_stages)
+    grid = (pairs.max_blocks * cdiv(experts.hidden_size, cfg.block_n * cfg.n_tiles),)
+    matmul = Launch(ws_stage2_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage2.ws")
+    return [matmul, topk_reduce(y, pairs, out, topk_weights.shape[1])]
 
 
 def topk_reduce(y: torch.Tensor, pairs: AlignedPairs, out: torch.Tensor, topk: int) -> Launch:

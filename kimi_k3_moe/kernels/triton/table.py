@@ -29,7 +29,7 @@ from kimi_k3_moe.configs.user_tables import device_key  # noqa: F401  (the packa
 from kimi_k3_moe.configs.user_tables import triton_version
 from kimi_k3_moe.kernels.triton._details.constants import KOrder  # its home (with each order's code); imported from here too
 
-PATHS = ("gemv", "aligned", "direct", "ws")
+PATHS = ("gemv", "aligned", "direct")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
 # row blocks: a power of two, or a power-of-two main tile plus a smaller power-of-two tail tile
 # (row_tiles); the kernels take both tiles on one decoded weight tile
@@ -84,6 +84,10 @@ class KernelConfig:
     # aligned stage 2: N tiles per program, K unrolled and the tile loop pipelined (its K = I is a few
     # steps only, so per-tile loads would otherwise start from an empty pipeline at every tile)
     n_tiles: int = 1
+    # aligned path, sm_90: the stage's warp-specialised kernel (Gluon, _details/ws_kernels.py; `ws_misfit`
+    # says which tiles it takes); where it cannot run (MoEConfig.for_target) the same tiles run the
+    # aligned kernel
+    ws: bool = False
 
     def __post_init__(self):
         if not isinstance(self.order, KOrder):  # "pairs" and KOrder.PAIRS: one config
@@ -106,7 +110,10 @@ class KernelConfig:
             raise ValueError(f"{what}: {why}")
 
     def to_json(self) -> dict:
-        return {**asdict(self), "order": self.order.value}
+        d = {**asdict(self), "order": self.order.value}
+        if not self.ws:
+            del d["ws"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict, what: str = "stage") -> "KernelConfig":
@@ -133,9 +140,7 @@ class MoEConfig:
     path "direct": the aligned path's matmuls with every pair a block of its
     own (block_m 16: one row and padding), so nothing is launched to group the
     pairs; for a few tokens, whose pairs nearly all have an expert to themselves.
-    path "ws": the aligned path with a warp-specialised stage 1 (sm_90, Gluon:
-    _details/ws_kernels.py); its stage-1 tiles must suit that kernel (`ws_misfit`).
-    Where it cannot run (`for_target`) the same tiles take the aligned kernels.
+    On the aligned path either stage may run its warp-specialised kernel (KernelConfig.ws).
     """
 
     path: str = "aligned"
@@ -164,7 +169,7 @@ class MoEConfig:
             raise ValueError(f"path {self.path!r} not in {PATHS}")
         if self.decode not in DECODES:
             raise ValueError(f"decode {self.decode!r} not in {DECODES}")
-        if self.path in ("aligned", "ws"):
+        if self.path == "aligned":
             self._validate_row_blocks()
         elif self.stage2_block_m is not None:
             raise ValueError(f"stage2_block_m: the {self.path} path has no row blocks of its own")
@@ -179,8 +184,11 @@ class MoEConfig:
                 raise ValueError(f"stage{n}: {why}")
         if self.stage1.n_tiles != 1 or (self.path == "gemv" and self.stage2.n_tiles != 1):
             raise ValueError("n_tiles: only the aligned stage 2 takes several N tiles per program")
-        if self.path == "ws" and (why := ws_misfit(self.stage1, self.stage2)):
-            raise ValueError(f"path ws: {why}")
+        for n, stage in ((1, self.stage1), (2, self.stage2)):
+            if stage.ws and self.path != "aligned":
+                raise ValueError(f"stage{n}.ws: the warp-specialised kernels are the aligned path's")
+            if stage.ws and (why := self.ws_misfit(n, inter)):
+                raise ValueError(f"stage{n}.ws: {why}")
         return self
 
     def _validate_row_blocks(self) -> None:
@@ -203,36 +211,50 @@ class MoEConfig:
 
     @classmethod
     def from_json(cls, d: dict) -> "MoEConfig":
+        """Also reads path "ws" of the release before KernelConfig.ws: the aligned path, stage 1 warp-specialised."""
         s2_bm = d.get("stage2_block_m")
-        return cls(path=d["path"], block_m=int(d.get("block_m", 16)), decode=d.get("decode", "bits"),
-                   stage1=KernelConfig.from_json(d["stage1"], "stage1"),
-                   stage2=KernelConfig.from_json(d["stage2"], "stage2"),
+        stage1 = KernelConfig.from_json(d["stage1"], "stage1")
+        path = d["path"]
+        if path == "ws":
+            path, stage1 = "aligned", replace(stage1, ws=True)
+        return cls(path=path, block_m=int(d.get("block_m", 16)), decode=d.get("decode", "bits"),
+                   stage1=stage1, stage2=KernelConfig.from_json(d["stage2"], "stage2"),
                    stage2_block_m=None if s2_bm is None else int(s2_bm), pdl=bool(d.get("pdl", False)))
 
     def for_target(self, is_cuda: bool, has_pdl: bool = True, has_ws: bool = True) -> "MoEConfig":
         """The PTX decode exists on NVIDIA only; elsewhere the portable decode. Programmatic
-        dependent launch needs NVIDIA sm_90+ (`has_pdl`, the backend knows the arch); path "ws"
-        needs sm_90 and a Triton with Gluon's Hopper API (`has_ws`), else its tiles run aligned."""
+        dependent launch needs NVIDIA sm_90+ (`has_pdl`, the backend knows the arch); the
+        warp-specialised kernels need sm_90 and a Triton with Gluon's Hopper API (`has_ws`), else the
+        same tiles run the aligned kernels."""
         cfg = self if is_cuda or self.decode == "bits" else replace(self, decode="bits")
-        if cfg.path == "ws" and not (is_cuda and has_ws):
-            cfg = replace(cfg, path="aligned")
+        if (cfg.stage1.ws or cfg.stage2.ws) and not (is_cuda and has_ws):
+            cfg = replace(cfg, stage1=replace(cfg.stage1, ws=False), stage2=replace(cfg.stage2, ws=False))
         return cfg if cfg.pdl is False or (is_cuda and has_pdl) else replace(cfg, pdl=False)
 
+    def ws_misfit(self, stage: int, inter: int) -> str | None:
+        """Why stage `stage` (1 or 2) cannot run its warp-specialised kernel with these tiles, or None.
+        Both read their activations in pair order as the MMA's B operand (swap), one wgmma row block of
+        16 weight rows per MMA warp (block_n = 16 x num_warps, num_warps 4 or 8), K steps of 32 or 64 in a
+        ring of >= 2. Stage 1 stores inter plain or in pair order (stage 2's stored order); stage 2 reads
+        it in pair order and keeps its block's rows, all of K = I, in shared memory (WS_INTER_BYTES)."""
+        cfg = self.stage1 if stage == 1 else self.stage2
+        if not cfg.swap or cfg.order != KOrder.PAIRS:
+            return "the stage must be swapped and in order 'pairs'"
+        if cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps:
+            return f"block_n = {cfg.block_n} must be 16 x num_warps ({cfg.num_warps}; 4 or 8)"
+        if cfg.block_k not in (32, 64) or cfg.num_stages < 2:
+            return f"block_k = {cfg.block_k} must be 32 or 64 and num_stages >= 2"
+        if stage == 1 and self.stage2.order.stored_order == KOrder.WORDS:
+            return "stage 2 must read inter plain or in pair order"
+        if stage == 2 and (held := self.block_ms[1] * inter * 2) > WS_INTER_BYTES:
+            return (f"a block's inter rows ({self.block_ms[1]} x I = {inter}, bf16: {held} bytes) exceed "
+                    f"{WS_INTER_BYTES} bytes of shared memory")
+        return None
 
-def ws_misfit(stage1: KernelConfig, stage2: KernelConfig) -> str | None:
-    """Why a stage-1 config cannot run the warp-specialised kernel (path "ws"), or None: it reads the
-    activations in pair order as the MMA's B operand (swap), one wgmma row block of 16 weight rows per
-    MMA warp (block_n = 16 x num_warps, num_warps 4 or 8), K steps of 32 or 64, a ring of >= 2 of them,
-    and stores inter plain or in pair order (stage 2's stored order)."""
-    if not stage1.swap or stage1.order != KOrder.PAIRS:
-        return "stage 1 must be swapped and in order 'pairs'"
-    if stage1.num_warps not in (4, 8) or stage1.block_n != 16 * stage1.num_warps:
-        return f"stage1.block_n = {stage1.block_n} must be 16 x num_warps ({stage1.num_warps}; 4 or 8)"
-    if stage1.block_k not in (32, 64) or stage1.num_stages < 2:
-        return f"stage1.block_k = {stage1.block_k} must be 32 or 64 and num_stages >= 2"
-    if stage2.order.stored_order == KOrder.WORDS:
-        return "stage 2 must read inter plain or in pair order"
-    return None
+
+# the most shared memory the warp-specialised stage 2 holds its block's inter rows in: beside its ring and
+# its epilogue's layout change, within sm_90's 227 KB per block (TP8's 160-row blocks: 120 KB)
+WS_INTER_BYTES = 160 * 1024
 
 
 @dataclass(frozen=True)
