@@ -344,3 +344,22 @@ def test_the_warp_specialised_stages_run_their_tiles_aligned_off_sm90(problem):
                                                           stage2=replace(WS.stage2, ws=False))
     weights, ids = skewed_routing(gen)
     assert_follows_the_activation(backend, prepared, P.hidden(gen, 64), weights, ids, "ws off sm_90")
+
+
+def test_the_warp_specialised_launches_decode_with_ptx_whatever_the_config_says():
+    """The warp-specialised kernels have the PTX decoders only: a config asking for the portable one
+    ("bits", MoEConfig's default) still plans them with PTX, the wide variant where MXFP4 scales exceed 2
+    (the narrow one would zero or garble those weights), while the aligned launches keep "bits"."""
+    from kimi_k3_moe.kernels.triton import tuning_space
+    from kimi_k3_moe.kernels.triton._details import constants as C
+    from kimi_k3_moe.kernels.triton.aot import meta_experts, plan_for_shape
+    cfg = replace(tuning_space.ws_configs(16384, 3584, 384)["ws"], decode="bits")
+    plain = replace(cfg, stage1=replace(cfg.stage1, ws=False), stage2=replace(cfg.stage2, ws=False))
+    for weight_format, wide in (("mxfp4", False), ("mxfp4", True), ("int4", False)):
+        experts = meta_experts(weight_format, 8, 3584, 384)
+        experts.wide_scales = wide
+        decodes = {C.DECODE_PTX_WIDE if wide else C.DECODE_PTX}
+        for config, want in ((cfg, decodes), (plain, {C.DECODE_BITS})):
+            launches = [l for l in plan_for_shape(experts, 16384, 16, SITU, config) if "WEIGHTS" in l.args]
+            assert len(launches) == 2 and {C.WEIGHTS[l.args["WEIGHTS"]][1] for l in launches} == want, \
+                [(l.label, l.args["WEIGHTS"]) for l in launches]

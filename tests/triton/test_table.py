@@ -190,8 +190,15 @@ def test_the_warp_specialised_stages_validate_their_tiles_and_run_aligned_where_
                 replace(cfg, **{f"stage{n}": replace(getattr(cfg, f"stage{n}"), **change)}).validate(3584, 384)
     with pytest.raises(ValueError, match="stage1.ws: stage 2 must read inter plain or in pair order"):
         MoEConfig("aligned", 160, s1, KernelConfig(64, 128, 4, 3, True, KOrder.WORDS)).validate(3584, 384)
-    with pytest.raises(ValueError, match=r"stage2.ws: a block's inter rows \(160 x I = 3072"):
-        MoEConfig("aligned", 160, s1, s2).validate(3584, 3072)  # EP16
+    with pytest.raises(ValueError, match=r"stage2.ws: its ring and activation rows take 991232 bytes of shared "
+                                         r"memory, over 204800"):
+        MoEConfig("aligned", 160, s1, s2).validate(3584, 3072)  # EP16: 160 rows x I = 3072 in bf16, and the ring
+    for stage in (1, 2):  # nor a ring too deep for sm_90
+        cfg = MoEConfig("aligned", 160, s1, s2)
+        deep = replace(cfg, **{f"stage{stage}": replace(getattr(cfg, f"stage{stage}"), num_stages=64)})
+        with pytest.raises(ValueError, match=f"stage{stage}.ws: its ring and activation rows take"):
+            deep.validate(3584, 384)
+    assert MoEConfig("aligned", 160, s1, s2).ws_shared_bytes(2, 384) == 4 * 128 * 16 + 160 * 384 * 2
     with pytest.raises(ValueError, match="stage2.ws: the warp-specialised kernels are the aligned path's"):
         MoEConfig("direct", 16, KernelConfig(32, 256, 4, 3, True, KOrder.STACKED), s2).validate(3584, 384)
 

@@ -106,9 +106,10 @@ def stage1_ws(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs,
               activation: ActivationSpec, cfg: KernelConfig, decode: str,
               stage2: KernelConfig) -> tuple[torch.Tensor, Launch]:
     """stage1_aligned's result (sm_90) from the warp-specialised kernel (_details/ws_kernels.py,
-    imported here: Gluon exists from Triton 3.6 on). `hidden` in pair order."""
+    imported here: Gluon exists from Triton 3.6 on). `hidden` in pair order. It decodes with the PTX
+    decoders only (NVIDIA's), whatever `decode` says."""
     from kimi_k3_moe.kernels.triton._details.ws_kernels import ws_stage1_kernel
-    inter, args = _aligned_args(experts, hidden, pairs, topk, activation, cfg, decode)
+    inter, args = _aligned_args(experts, hidden, pairs, topk, activation, cfg, "ptx")
     args.update(BLOCK_ROWS=pairs.block_m, STAGES=cfg.num_stages,
                 OUT_PAIRS=stage2.order.stored_order == KOrder.PAIRS)
     grid = (pairs.max_blocks * cdiv(experts.intermediate_size, cfg.block_n),)

@@ -235,8 +235,8 @@ class MoEConfig:
         """Why stage `stage` (1 or 2) cannot run its warp-specialised kernel with these tiles, or None.
         Both read their activations in pair order as the MMA's B operand (swap), one wgmma row block of
         16 weight rows per MMA warp (block_n = 16 x num_warps, num_warps 4 or 8), K steps of 32 or 64 in a
-        ring of >= 2. Stage 1 stores inter plain or in pair order (stage 2's stored order); stage 2 reads
-        it in pair order and keeps its block's rows, all of K = I, in shared memory (WS_INTER_BYTES)."""
+        ring of >= 2, all within WS_SHARED_BYTES (`ws_shared_bytes`). Stage 1 stores inter plain or in pair
+        order (stage 2's stored order); stage 2 reads it in pair order."""
         cfg = self.stage1 if stage == 1 else self.stage2
         if not cfg.swap or cfg.order != KOrder.PAIRS:
             return "the stage must be swapped and in order 'pairs'"
@@ -246,15 +246,25 @@ class MoEConfig:
             return f"block_k = {cfg.block_k} must be 32 or 64 and num_stages >= 2"
         if stage == 1 and self.stage2.order.stored_order == KOrder.WORDS:
             return "stage 2 must read inter plain or in pair order"
-        if stage == 2 and (held := self.block_ms[1] * inter * 2) > WS_INTER_BYTES:
-            return (f"a block's inter rows ({self.block_ms[1]} x I = {inter}, bf16: {held} bytes) exceed "
-                    f"{WS_INTER_BYTES} bytes of shared memory")
+        if (held := self.ws_shared_bytes(stage, inter)) > WS_SHARED_BYTES:
+            return f"its ring and activation rows take {held} bytes of shared memory, over {WS_SHARED_BYTES}"
         return None
 
+    def ws_shared_bytes(self, stage: int, inter: int) -> int:
+        """The shared memory a warp-specialised stage holds: num_stages slots of packed weight words
+        (stage 1: gate and up rows), and its block's activation rows, bf16: stage 1 one K step of them
+        per slot, stage 2 all of K = I (kept for every N tile)."""
+        cfg = self.stage1 if stage == 1 else self.stage2
+        rows = self.block_ms[stage - 1]
+        words = (2 if stage == 1 else 1) * cfg.block_n * cfg.block_k // 2
+        if stage == 1:
+            return cfg.num_stages * (words + rows * cfg.block_k * 2)
+        return cfg.num_stages * words + rows * inter * 2
 
-# the most shared memory the warp-specialised stage 2 holds its block's inter rows in: beside its ring and
-# its epilogue's layout change, within sm_90's 227 KB per block (TP8's 160-row blocks: 120 KB)
-WS_INTER_BYTES = 160 * 1024
+
+# what a warp-specialised stage may hold in shared memory (MoEConfig.ws_shared_bytes): sm_90 gives a block
+# 227 KB, and the epilogue's layout change, the barriers and the compiler's alignment take the rest
+WS_SHARED_BYTES = 200 * 1024
 
 
 @dataclass(frozen=True)

@@ -168,10 +168,9 @@ def ws_configs(tier: int, hidden: int, inter: int) -> dict[str, MoEConfig]:
     if not found:
         return {}
     s1, s2, base = space[("ws", found[0])]
-    out = {"ws": base}
-    out.update({"ws-s1": c for c in s2 if not c.stage2.ws and c.stage2_block_m is None})
-    out.update({"ws-s2": c for c in space[("aligned", found[0])][1] if c.stage2.ws})
-    return out
+    alone = {"ws-s1": (c for c in s2 if not c.stage2.ws and c.stage2_block_m is None),
+             "ws-s2": (c for c in space.get(("aligned", found[0]), ((), ()))[1] if c.stage2.ws)}
+    return {"ws": base} | {label: c for label, cands in alone.items() if (c := next(cands, None)) is not None}
 
 
 def _winners_first(tiles: list, winners: list) -> list:

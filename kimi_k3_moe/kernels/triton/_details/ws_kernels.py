@@ -26,10 +26,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import (DECODE_PTX_WIDE, E2M1_WIDE_WORD_PTX, E2M1_WORD_PTX, FMT_MXFP4,
-                                                        NEG_ZERO_PAIR, WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS,
-                                                        factor_pair, ptx_e2m1_word, ptx_int4_word,
-                                                        to_pair_order, words_to_pair_order)
+from kimi_k3_moe.kernels.triton._details.decode import (DECODE_BITS, DECODE_PTX_WIDE, E2M1_WIDE_WORD_PTX,
+                                                        E2M1_WORD_PTX, FMT_MXFP4, NEG_ZERO_PAIR, WEIGHT_DECODE,
+                                                        WEIGHT_FMT, WEIGHT_OFFSETS, factor_pair, ptx_e2m1_word,
+                                                        ptx_int4_word, to_pair_order, words_to_pair_order)
 from kimi_k3_moe.kernels.triton._details.pdl import enter
 
 # cp.async global -> shared: async_load from Triton 3.8 on (3.9 dropped the older name, 3.6 lacks the new one)
@@ -52,7 +52,9 @@ def word_layout(rows, block_k, num_warps):
 
 @gluon.jit
 def _decode_operand(words, f, o, dot: gl.constexpr, FMT: gl.constexpr, DECODE: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Words in word_layout -> the bf16 wgmma A operand [rows, BLOCK_K] in pair order (decode.py's decoders)."""
+    """Words in word_layout -> the bf16 wgmma A operand [rows, BLOCK_K] in pair order (decode.py's PTX
+    decoders: the launchers pass a PTX decode code)."""
+    gl.static_assert(DECODE != DECODE_BITS, "the warp-specialised kernels decode with PTX only")
     if FMT == FMT_MXFP4:
         if DECODE == DECODE_PTX_WIDE:
             v0, v1, v2, v3, v4, v5, v6, v7 = ptx_e2m1_word(words, f, E2M1_WIDE_WORD_PTX)
