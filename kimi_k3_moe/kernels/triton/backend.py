@@ -193,7 +193,7 @@ def triton_has_pdl() -> bool:
 
 @lru_cache(maxsize=1)
 def triton_has_ws() -> bool:
-    """Whether this Triton has the Gluon Hopper API the warp-specialised stage 1 is written in (3.6+)."""
+    """Whether this Triton has the Gluon Hopper API the warp-specialised stages are written in (3.6+)."""
     try:
         from kimi_k3_moe.kernels.triton._details import ws_kernels  # noqa: F401
     except (ImportError, AttributeError):
