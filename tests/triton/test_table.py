@@ -174,7 +174,8 @@ def test_the_warp_specialised_stages_validate_their_tiles_and_run_aligned_where_
                 MoEConfig("aligned", 96, KernelConfig(64, 128, 4, 3, True), s2, stage2_block_m=128)):
         cfg.validate(3584, 384)
         assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
-        assert cfg.for_target(True) == cfg
+        # the warp-specialised stage 2 is wrong on the GPU: it never runs (docs/TRITON.md)
+        assert cfg.for_target(True) == replace(cfg, stage2=replace(cfg.stage2, ws=False))
         for off in (cfg.for_target(True, has_ws=False), cfg.for_target(False)):
             assert not (off.stage1.ws or off.stage2.ws) and off.validate(3584, 384)
             assert replace(off.stage1, ws=cfg.stage1.ws) == cfg.stage1
