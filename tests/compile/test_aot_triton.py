@@ -220,32 +220,40 @@ def test_pdl_kernels_wait_for_their_predecessor_on_sm90_only():
 
 def test_the_warp_specialised_stages_feed_their_wgmmas_from_registers_and_shared_memory():
     """KernelConfig.ws on sm_90 (docs/TRITON.md, "Warp-specialised stages"), both stages and weight formats,
-    TP8's 160-row blocks (stage 2 on 128-row blocks of its own): a loader warpgroup fills the ring with cp.async (LDGSTS) and arrives on its
-    barrier as they land; the MMA warps' wgmmas take the decoded weights as the register operand and the
-    activation rows from shared memory (HGMMA R.., gdesc[..]), a step's wgmmas chained and left in flight
-    while the next step decodes (one WARPGROUP.DEPBAR with a nonzero count in the K loop); registers handed
-    from the loader to the MMA warps (USETMAXREG); no spills. Stage 2 holds its block's inter rows (128 x
-    384 bf16, 96 KB) in shared memory for its 28 N tiles and stores each tile's y 16 bytes at a time."""
+    TP8's 160-row blocks (stage 2 also on 128-row blocks of its own): a loader warpgroup fills the ring with
+    cp.async (LDGSTS) and arrives on its barrier as they land; the MMA warps' wgmmas take the decoded weights
+    as the register operand and the activation rows from shared memory (HGMMA R.., gdesc[..]), a step's
+    wgmmas chained and left in flight while the next step decodes (a WARPGROUP.DEPBAR with a nonzero count
+    in the K loop), and no register those wgmmas read is written before they retire (wgmma_hazards.py);
+    registers handed from the loader to the MMA warps (USETMAXREG); no spills. Stage 2 holds its block's
+    inter rows (160 x 384 bf16, 120 KB) in shared memory for its 28 N tiles and stores each tile's y 16
+    bytes at a time."""
     import re
 
     from kimi_k3_moe.kernels.triton.aot import compile_launch, cuda_sass, meta_experts, plan_for_shape
+    from kimi_k3_moe.kernels.triton.wgmma_hazards import wgmma_hazards
     s1 = tt.KernelConfig(128, 32, 8, 4, True, tt.KOrder.PAIRS, ws=True)
     s2 = tt.KernelConfig(128, 32, 8, 4, True, tt.KOrder.PAIRS, 28, ws=True)
-    cfg = tt.MoEConfig("aligned", 160, s1, s2, "ptx", 128).validate(3584, 384)
-    # (gate, up) x (main, tail) x 2 k16 in stage 1 (N 128 and 32); 2 k16 in stage 2 (its own 128-row blocks)
-    hgmmas = {"stage1.ws": (8, ["128", "32"]), "stage2.ws": (2, ["128"])}
-    for weight_format in ("mxfp4", "int4"):
-        plan = plan_for_shape(meta_experts(weight_format, 896, 3584, 384), 16384, 16, ActivationSpec(*SITU), cfg)
-        for label, (count, widths) in hgmmas.items():
-            report, kernel = compile_launch(next(l for l in plan if l.label == label), "sm_90")
-            sass = cuda_sass(kernel.asm["cubin"])
-            assert report.spills == 0, report.row()
-            hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
-            assert sorted(set(hgmma)) == widths and len(hgmma) == count, (label, hgmma)
-            assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", sass), label
-            assert "LDGSTS" in sass and "ARRIVES.LDGSTSBAR" in sass and "USETMAXREG" in sass, label
-            if label == "stage2.ws":
-                assert report.shared >= 128 * 384 * 2 and "STG.E.128" in sass, report.row()
+    # the K loop runs in pairs of steps: (gate, up) x (main, tail) x 2 k16 x 2 steps in stage 1 (N 128 and
+    # 32); (main, tail) x 2 k16 x 2 steps in stage 2 on the tail blocks, main only on 128-row blocks
+    for stage2_block_m, s2_hgmmas in ((None, (8, ["128", "32"])), (128, (4, ["128"]))):
+        cfg = tt.MoEConfig("aligned", 160, s1, s2, "ptx", stage2_block_m).validate(3584, 384)
+        hgmmas = {"stage1.ws": (16, ["128", "32"]), "stage2.ws": s2_hgmmas}
+        for weight_format in ("mxfp4", "int4"):
+            plan = plan_for_shape(meta_experts(weight_format, 896, 3584, 384), 16384, 16, ActivationSpec(*SITU), cfg)
+            for label, (count, widths) in hgmmas.items():
+                if label == "stage1.ws" and stage2_block_m is not None:
+                    continue
+                report, kernel = compile_launch(next(l for l in plan if l.label == label), "sm_90")
+                sass = cuda_sass(kernel.asm["cubin"])
+                assert report.spills == 0, report.row()
+                hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+                assert sorted(set(hgmma)) == widths and len(hgmma) == count, (label, hgmma)
+                assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", sass), label
+                assert wgmma_hazards(sass) == [] and report.wgmma_hazards == 0, (label, wgmma_hazards(sass)[:3])
+                assert "LDGSTS" in sass and "ARRIVES.LDGSTSBAR" in sass and "USETMAXREG" in sass, label
+                if label == "stage2.ws":
+                    assert report.shared >= cfg.block_ms[1] * 384 * 2 and "STG.E.128" in sass, report.row()
 
 
 def test_blocks_per_sm_follows_cudas_occupancy_rules():

@@ -328,10 +328,9 @@ def test_tail_tile_under_an_expert_map(order, problem):
     assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
 
 
-# both stages warp-specialised (sm_90 only): stage 1 on 32 + 16 row blocks, stage 2 on 32-row blocks of
-# its own (its tail tile is refused: MoEConfig.ws_misfit); 64 weight rows over 4 MMA warps
+# both stages warp-specialised (sm_90 only) on 32 + 16 row blocks: 64 weight rows over 4 MMA warps
 WS = MoEConfig("aligned", 48, KernelConfig(64, 32, 4, 4, True, KOrder.PAIRS, ws=True),
-               KernelConfig(64, 32, 4, 2, True, KOrder.PAIRS, 4, ws=True), "bits", 32)
+               KernelConfig(64, 32, 4, 2, True, KOrder.PAIRS, 4, ws=True), "bits")
 
 
 def test_the_warp_specialised_stages_run_their_tiles_aligned_off_sm90(problem):
@@ -354,8 +353,7 @@ def test_the_warp_specialised_launches_decode_with_ptx_whatever_the_config_says(
     from kimi_k3_moe.kernels.triton import tuning_space
     from kimi_k3_moe.kernels.triton._details import constants as C
     from kimi_k3_moe.kernels.triton.aot import meta_experts, plan_for_shape
-    cfg = replace(tuning_space.ws_configs(16384, 3584, 384)["ws"], decode="bits",
-                  stage2=tuning_space.ws_kc(tuning_space.WS_S2[0]), stage2_block_m=128)
+    cfg = replace(tuning_space.ws_configs(16384, 3584, 384)["ws"], decode="bits")
     plain = replace(cfg, stage1=replace(cfg.stage1, ws=False), stage2=replace(cfg.stage2, ws=False))
     for weight_format, wide in (("mxfp4", False), ("mxfp4", True), ("int4", False)):
         experts = meta_experts(weight_format, 8, 3584, 384)

@@ -174,8 +174,7 @@ def test_the_warp_specialised_stages_validate_their_tiles_and_run_aligned_where_
                 MoEConfig("aligned", 96, KernelConfig(64, 128, 4, 3, True), s2, stage2_block_m=128)):
         cfg.validate(3584, 384)
         assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
-        # the warp-specialised stage 2 is wrong on the GPU: it never runs (docs/TRITON.md)
-        assert cfg.for_target(True) == replace(cfg, stage2=replace(cfg.stage2, ws=False))
+        assert cfg.for_target(True) == cfg
         for off in (cfg.for_target(True, has_ws=False), cfg.for_target(False)):
             assert not (off.stage1.ws or off.stage2.ws) and off.validate(3584, 384)
             assert replace(off.stage1, ws=cfg.stage1.ws) == cfg.stage1
@@ -195,9 +194,11 @@ def test_the_warp_specialised_stages_validate_their_tiles_and_run_aligned_where_
     with pytest.raises(ValueError, match=r"stage2.ws: its ring and activation rows take 991232 bytes of shared "
                                          r"memory, over 204800"):
         MoEConfig("aligned", 160, s1, s2).validate(3584, 3072)  # EP16: 160 rows x I = 3072 in bf16, and the ring
-    # stage 2's tail tile is wrong on the GPU (H100, 2026-12-05): blocks with a tail are refused
-    with pytest.raises(ValueError, match="stage2.ws: row blocks of 160 have a tail tile"):
-        MoEConfig("aligned", 160, s1, s2).validate(3584, 384)
+    MoEConfig("aligned", 160, s1, s2).validate(3584, 384)  # stage 2 on tail blocks too
+    # the K loops run in pairs of steps: TP16's I = 192 in steps of 64 is three
+    with pytest.raises(ValueError, match="stage2.ws: block_k = 64 must divide K into an even number of steps"):
+        MoEConfig("aligned", 160, s1, replace(s2, block_k=64)).validate(3584, 192)
+    MoEConfig("aligned", 160, s1, replace(s2, block_k=64)).validate(3584, 384)
     for stage in (1, 2):  # nor a ring too deep for sm_90
         cfg = MoEConfig("aligned", 160, s1, s2, stage2_block_m=128)
         deep = replace(cfg, **{f"stage{stage}": replace(getattr(cfg, f"stage{stage}"), num_stages=64)})
@@ -324,14 +325,15 @@ def test_tuning_space_tries_tail_blocks_and_split_stage2_at_4096_plus():
                for path, bm in ts.candidates(tier, 3584, 384) if path == "aligned")
 
 
-def test_tuning_space_tries_the_warp_specialised_stage_1_on_tail_blocks_that_fit_it():
+def test_tuning_space_tries_the_warp_specialised_stages_on_tail_blocks_that_fit_them():
     """The warp-specialised stage 1 (group "ws") is tried (quick tunes included) on the 96- and 160-row
     tail blocks of the 4096 and 16384 tiers, at TP8, TP16 and EP16, never at 192 rows (it spills) nor
-    below 4096, with the many-tile aligned stage 2 on the same blocks where it fits (TP8, TP16), else
-    the tail blocks' own (EP16). The warp-specialised stage 2 is not offered there: its tail tile is
-    wrong on the GPU, so MoEConfig.ws_misfit refuses tail blocks for it."""
+    below 4096. Its stage 2: the warp-specialised one (WS_S2, those whose K steps pair up) and the
+    many-tile aligned one on the same blocks where they fit (TP8, TP16), else the tail blocks' own (EP16);
+    the aligned stage 1 is tried with the warp-specialised stage 2 as well."""
     from kimi_k3_moe.kernels.triton import tuning_space as ts
     for inter in (384, 192, 3072):
+        fitting = [t for t in ts.WS_S2 if inter != 3072 and (inter // t[1]) % 2 == 0]
         for tier in ts.TIERS:
             for quick in (False, True):
                 space = ts.candidates(tier, 3584, inter, quick)
@@ -339,12 +341,13 @@ def test_tuning_space_tries_the_warp_specialised_stage_1_on_tail_blocks_that_fit
                 assert ws == [bm for bm in ts.TAIL_BLOCKS.get(tier, ()) if bm in ts.WS_BLOCK_MS]
                 for bm in ws:
                     s1, s2, base = space[("ws", bm)]
-                    assert len(s1) == len(ts.WS_S1) and s2
+                    tried = [t for t in ts.WS_S2[:ts.QUICK if quick else None] if t in fitting]
+                    assert len(s1) == len(ts.WS_S1) and base.stage2.ws == bool(tried)
+                    assert [c.stage2 for c in s2 if c.stage2.ws] == [ts.ws_kc(t) for t in tried]
                     for c in (base, *s1, *s2):
-                        assert c.validate(3584, inter).stage1.ws and c.block_m == bm and not c.stage2.ws
-                    assert base.stage2_block_m == (128 if inter == 3072 else None)
-                for group in space.values():
-                    assert not any(c.stage2.ws for c in group[1])
+                        assert c.validate(3584, inter).stage1.ws and c.block_m == bm
+                    aligned_s2 = space[("aligned", bm)][1]
+                    assert sum(c.stage2.ws for c in aligned_s2) == (ts.WS_S2[0] in fitting)
     assert ts.WS_BLOCK_MS == (96, 160) and sorted(b for v in ts.TAIL_BLOCKS.values() for b in v) == [96, 160, 192]
 
 

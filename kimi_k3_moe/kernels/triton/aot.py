@@ -122,6 +122,7 @@ class CompileReport:
     shared: int             # shared memory / LDS bytes
     seconds: float
     blocks_per_sm: int | None = None  # NVIDIA only (blocks_per_sm)
+    wgmma_hazards: int | None = None  # sm_90 Gluon kernels: writes to operands of wgmmas in flight (wgmma_hazards.py)
 
     def row(self) -> dict:
         return asdict(self)
@@ -192,7 +193,12 @@ def compile_launch(launch: Launch, target: str) -> tuple[CompileReport, object]:
         spills = res["vgpr_spill_count"] + res["sgpr_spill_count"]
         stack = res["private_segment_fixed_size"]
         shared = max(md.shared, res["group_segment_fixed_size"])
+    hazards = None
+    if target.startswith("sm_") and type(launch.kernel).__name__ == "GluonJITFunction":
+        from kimi_k3_moe.kernels.triton.wgmma_hazards import wgmma_hazards
+        hazards = len(wgmma_hazards(cuda_sass(compiled.asm["cubin"])))
     report = CompileReport(launch.name, target, launch.label, launch.num_warps, launch.num_stages, shown,
                            md.hash, regs, sgprs, spills, stack, shared, round(seconds, 2),
-                           blocks_per_sm(target, regs, md.num_warps, shared))  # a warp-specialised kernel: all partitions
+                           # a warp-specialised kernel: all its partitions' warps
+                           blocks_per_sm(target, regs, md.num_warps, shared), hazards)
     return report, compiled

@@ -233,7 +233,8 @@ def spill_check(arch: str):
 @lru_cache(maxsize=256)
 def _spills(arch: str, weight_format: str, e: int, h: int, i: int, tier: int, cfg_json: str) -> str | None:
     """None when every launch of this config compiles for `arch` under the running Triton without
-    spilling (once per config: compiling is seconds, on the CPU), else why not."""
+    spilling or, in the warp-specialised kernels, a register hazard (aot.CompileReport; once per config:
+    compiling is seconds, on the CPU), else why not."""
     from kimi_k3_moe.kernels.triton import aot
     if arch not in aot.TARGETS:
         return f"no compile check for {arch}"
@@ -246,6 +247,8 @@ def _spills(arch: str, weight_format: str, e: int, h: int, i: int, tier: int, cf
             return f"{launch.label} does not compile ({type(exc).__name__})"
         if report.spills:
             return f"{launch.label} spills {report.spills} bytes"
+        if report.wgmma_hazards:
+            return f"{launch.label} writes registers its wgmmas in flight still read ({report.wgmma_hazards} places)"
     return None
 
 

@@ -187,7 +187,7 @@ class MoEConfig:
         for n, stage in ((1, self.stage1), (2, self.stage2)):
             if stage.ws and self.path != "aligned":
                 raise ValueError(f"stage{n}.ws: the warp-specialised kernels are the aligned path's")
-            if stage.ws and (why := self.ws_misfit(n, inter)):
+            if stage.ws and (why := self.ws_misfit(n, hidden, inter)):
                 raise ValueError(f"stage{n}.ws: {why}")
         return self
 
@@ -229,18 +229,15 @@ class MoEConfig:
         cfg = self if is_cuda or self.decode == "bits" else replace(self, decode="bits")
         if (cfg.stage1.ws or cfg.stage2.ws) and not (is_cuda and has_ws):
             cfg = replace(cfg, stage1=replace(cfg.stage1, ws=False), stage2=replace(cfg.stage2, ws=False))
-        if cfg.stage2.ws:
-            # its kernel gave wrong results on the GPU (H100, H200, 2026-12-05; docs/TRITON.md): until that is
-            # fixed, even a pinned config runs the same tiles on the aligned kernel
-            cfg = replace(cfg, stage2=replace(cfg.stage2, ws=False))
         return cfg if cfg.pdl is False or (is_cuda and has_pdl) else replace(cfg, pdl=False)
 
-    def ws_misfit(self, stage: int, inter: int) -> str | None:
+    def ws_misfit(self, stage: int, hidden: int, inter: int) -> str | None:
         """Why stage `stage` (1 or 2) cannot run its warp-specialised kernel with these tiles, or None.
         Both read their activations in pair order as the MMA's B operand (swap), one wgmma row block of
-        16 weight rows per MMA warp (block_n = 16 x num_warps, num_warps 4 or 8), K steps of 32 or 64 in a
-        ring of >= 2, all within WS_SHARED_BYTES (`ws_shared_bytes`). Stage 1 stores inter plain or in pair
-        order (stage 2's stored order); stage 2 reads it in pair order."""
+        16 weight rows per MMA warp (block_n = 16 x num_warps, num_warps 4 or 8), an even number of K steps
+        of 32 or 64 (the kernels run them in pairs) in a ring of >= 2, all within WS_SHARED_BYTES
+        (`ws_shared_bytes`). Stage 1 stores inter plain or in pair order (stage 2's stored order); stage 2
+        reads it in pair order."""
         cfg = self.stage1 if stage == 1 else self.stage2
         if not cfg.swap or cfg.order != KOrder.PAIRS:
             return "the stage must be swapped and in order 'pairs'"
@@ -252,12 +249,8 @@ class MoEConfig:
             return "stage 2 must read inter plain or in pair order"
         if (held := self.ws_shared_bytes(stage, inter)) > WS_SHARED_BYTES:
             return f"its ring and activation rows take {held} bytes of shared memory, over {WS_SHARED_BYTES}"
-        if stage == 2 and row_tiles(self.block_ms[1])[1]:
-            # checked on an H100 (check_gpu, 2026-12-05): the main tile's rows matched the aligned kernel,
-            # nearly every element of the tail tile's did not (and for_target does not run it at all:
-            # other tiles were wrong on an H200 too); the cause is not found yet
-            return (f"row blocks of {self.block_ms[1]} have a tail tile, which this kernel gets wrong: "
-                    "power-of-two blocks only")
+        if ((hidden if stage == 1 else inter) // cfg.block_k) % 2:
+            return f"block_k = {cfg.block_k} must divide K into an even number of steps (the kernels run them in pairs)"
         return None
 
     def ws_shared_bytes(self, stage: int, inter: int) -> int:

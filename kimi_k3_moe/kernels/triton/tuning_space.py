@@ -82,8 +82,7 @@ TAIL_S2_TILES = [(64, 128, 4, 3, PAIRS, 28), (64, 128, 4, 2, PAIRS, 28),
 # rows). Stage 2: the block's inter rows held in shared memory for 28 or 14 N tiles (120 KB at 160 rows and
 # TP8's I), K steps of 32 or 64 in a ring of 4; tried with either stage 1, and the many-tile aligned stage 2
 # above with the warp-specialised stage 1. Not yet timed on an H200: the tuner measures them beside the
-# aligned tiles and a table takes them only where they win. Stage 2's are refused on these tail blocks
-# for now (MoEConfig.ws_misfit: its tail tile is wrong on the GPU), so only stage 1's are tried.
+# aligned tiles and a table takes them only where they win.
 WS_S1 = [(128, 32, 8, 4, PAIRS), (128, 32, 8, 6, PAIRS)]
 WS_BLOCK_MS = (96, 160)  # at 192 rows stage 1's four accumulators and two steps' operands spill (sm_90, Triton 3.8)
 WS_S2 = [(128, 32, 8, 4, PAIRS, 28), (128, 64, 8, 4, PAIRS, 28), (128, 32, 8, 4, PAIRS, 14)]
@@ -169,7 +168,7 @@ def ws_configs(tier: int, hidden: int, inter: int) -> dict[str, MoEConfig]:
     if not found:
         return {}
     s1, s2, base = space[("ws", found[0])]
-    alone = {"ws-s1": (c for c in s2 if base.stage2.ws and not c.stage2.ws and c.stage2_block_m is None),
+    alone = {"ws-s1": (c for c in s2 if not c.stage2.ws and c.stage2_block_m is None),
              "ws-s2": (c for c in space.get(("aligned", found[0]), ((), ()))[1] if c.stage2.ws)}
     return {"ws": base} | {label: c for label, cands in alone.items() if (c := next(cands, None)) is not None}
 

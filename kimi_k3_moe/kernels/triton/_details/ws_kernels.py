@@ -158,49 +158,48 @@ def _mma(s_ptr, o_ptr, s_base, stride_sn, n0, inter_size, raw_bufs, x_bufs, xt_b
     if HAS_OFFSETS:
         og = gl.load(o_ptr + so_g, mask=ok, other=0)
         ou = gl.load(o_ptr + so_u, mask=ok, other=0)
-    # the A operands of the wgmmas in flight, kept alive until those complete (wgmma may read its
-    # register operand after issue), so the next step decodes into other registers
-    prev_g = gl.zeros([BLOCK_N, BLOCK_K], gl.bfloat16, layout=dot)
-    prev_u = prev_g
-    for i in range(STEPS):
-        s = i % STAGES
-        nxt = ok & (i + 1 < STEPS)
-        sg_next = gl.load(s_ptr + so_g + (i + 1) * GROUPS, mask=nxt, other=0)
-        su_next = gl.load(s_ptr + so_u + (i + 1) * GROUPS, mask=nxt, other=0)
-        if HAS_OFFSETS:
-            og_next = gl.load(o_ptr + so_g + (i + 1) * GROUPS, mask=nxt, other=0)
-            ou_next = gl.load(o_ptr + so_u + (i + 1) * GROUPS, mask=nxt, other=0)
-        fg, pg = _factors(sg, og, FMT, DECODE, HAS_OFFSETS)
-        fu, pu = _factors(su, ou, FMT, DECODE, HAS_OFFSETS)
-        mbarrier.wait(loaded.index(s), (i // STAGES) & 1)
-        slot = raw_bufs.index(s)
-        a_g = _decode_operand(slot.slice(0, BLOCK_N, dim=0).load(wl), fg, pg, dot, FMT, DECODE, BLOCK_K)
-        a_u = _decode_operand(slot.slice(BLOCK_N, BLOCK_N, dim=0).load(wl), fu, pu, dot, FMT, DECODE, BLOCK_K)
-        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
-        xs = x_bufs.index(s).permute((1, 0))
-        acc_g = warpgroup_mma(a_g, xs, acc_g, is_async=True)
-        acc_u = warpgroup_mma(a_u, xs, acc_u, is_async=True)
-        if TAIL_M > 0:
-            xts = xt_bufs.index(s).permute((1, 0))
-            acc_gt = warpgroup_mma(gl.convert_layout(a_g, dot_t, assert_trivial=True), xts, acc_gt, is_async=True)
-            acc_ut = warpgroup_mma(gl.convert_layout(a_u, dot_t, assert_trivial=True), xts, acc_ut, is_async=True)
-            acc_g, acc_u, acc_gt, acc_ut, _, _ = warpgroup_mma_wait(
-                num_outstanding=MMAS, deps=(acc_g, acc_u, acc_gt, acc_ut, prev_g, prev_u))
-        else:
-            acc_g, acc_u, _, _ = warpgroup_mma_wait(num_outstanding=MMAS, deps=(acc_g, acc_u, prev_g, prev_u))
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # the step before is done
-        prev_g = a_g
-        prev_u = a_u
-        sg = sg_next
-        su = su_next
-        if HAS_OFFSETS:
-            og = og_next
-            ou = ou_next
+    # Two copies of the step, so the registers of one step's A operands are written again only after the
+    # other step's wait has retired their wgmmas (wgmma reads them after issue; deps cannot keep them: see
+    # docs/TRITON.md)
+    gl.static_assert(STEPS % 2 == 0, "the K loop runs in pairs of steps")
+    for j in range(STEPS // 2):
+        for u in gl.static_range(2):
+            i = 2 * j + u
+            s = i % STAGES
+            nxt = ok & (i + 1 < STEPS)
+            sg_next = gl.load(s_ptr + so_g + (i + 1) * GROUPS, mask=nxt, other=0)
+            su_next = gl.load(s_ptr + so_u + (i + 1) * GROUPS, mask=nxt, other=0)
+            if HAS_OFFSETS:
+                og_next = gl.load(o_ptr + so_g + (i + 1) * GROUPS, mask=nxt, other=0)
+                ou_next = gl.load(o_ptr + so_u + (i + 1) * GROUPS, mask=nxt, other=0)
+            fg, pg = _factors(sg, og, FMT, DECODE, HAS_OFFSETS)
+            fu, pu = _factors(su, ou, FMT, DECODE, HAS_OFFSETS)
+            mbarrier.wait(loaded.index(s), (i // STAGES) & 1)
+            slot = raw_bufs.index(s)
+            a_g = _decode_operand(slot.slice(0, BLOCK_N, dim=0).load(wl), fg, pg, dot, FMT, DECODE, BLOCK_K)
+            a_u = _decode_operand(slot.slice(BLOCK_N, BLOCK_N, dim=0).load(wl), fu, pu, dot, FMT, DECODE, BLOCK_K)
+            fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async one
+            xs = x_bufs.index(s).permute((1, 0))
+            acc_g = warpgroup_mma(a_g, xs, acc_g, is_async=True)
+            acc_u = warpgroup_mma(a_u, xs, acc_u, is_async=True)
+            if TAIL_M > 0:
+                xts = xt_bufs.index(s).permute((1, 0))
+                acc_gt = warpgroup_mma(gl.convert_layout(a_g, dot_t, assert_trivial=True), xts, acc_gt, is_async=True)
+                acc_ut = warpgroup_mma(gl.convert_layout(a_u, dot_t, assert_trivial=True), xts, acc_ut, is_async=True)
+                acc_g, acc_u, acc_gt, acc_ut = warpgroup_mma_wait(
+                    num_outstanding=MMAS, deps=(acc_g, acc_u, acc_gt, acc_ut))
+            else:
+                acc_g, acc_u = warpgroup_mma_wait(num_outstanding=MMAS, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # the step before is done
+            sg = sg_next
+            su = su_next
+            if HAS_OFFSETS:
+                og = og_next
+                ou = ou_next
     if TAIL_M > 0:
-        acc_g, acc_u, acc_gt, acc_ut, _, _ = warpgroup_mma_wait(
-            num_outstanding=0, deps=(acc_g, acc_u, acc_gt, acc_ut, prev_g, prev_u))
+        acc_g, acc_u, acc_gt, acc_ut = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, acc_gt, acc_ut))
     else:
-        acc_g, acc_u, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, prev_g, prev_u))
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
         acc_gt = acc_g
         acc_ut = acc_u
     return acc_g, acc_u, acc_gt, acc_ut
@@ -374,43 +373,43 @@ def _mma2(s_ptr, o_ptr, s_base, stride_sn, g0, hidden, topk_w_ptr, sorted_ptr, s
     off = sc  # unused without offsets
     if HAS_OFFSETS:
         off = gl.load(o_ptr + so, mask=ok, other=0)
-    # the A operand of the wgmmas in flight, kept alive until they complete (see _mma)
-    prev = gl.zeros([BLOCK_N, BLOCK_K], gl.bfloat16, layout=dot)
+    gl.static_assert(STEPS % 2 == 0, "the K loop runs in pairs of steps (see _mma)")
     for t in range(N_TILES):
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
         if TAIL_M > 0:
             acc_t = gl.zeros([BLOCK_N, TAIL_M], gl.float32, layout=mma_t)
-        for k in range(STEPS):
-            i = t * STEPS + k
-            s = i % STAGES
-            # the next step's scales: this tile's next K step, or the next tile's first
-            t1 = (i + 1) // STEPS
-            nxt = (g0 + t1 * BLOCK_N + r < hidden)[:, None] & (i + 1 < N_TILES * STEPS)
-            so_next = so + t1 * BLOCK_N * stride_sn + ((i + 1) % STEPS) * GROUPS
-            sc_next = gl.load(s_ptr + so_next, mask=nxt, other=0)
-            if HAS_OFFSETS:
-                off_next = gl.load(o_ptr + so_next, mask=nxt, other=0)
-            f, p = _factors(sc, off, FMT, DECODE, HAS_OFFSETS)
-            mbarrier.wait(loaded.index(s), (i // STAGES) & 1)
-            a = _decode_operand(raw_bufs.index(s).load(wl), f, p, dot, FMT, DECODE, BLOCK_K)
-            fence_async_shared()
-            acc = warpgroup_mma(a, x_bufs.index(k).permute((1, 0)), acc, is_async=True)
-            if TAIL_M > 0:
-                acc_t = warpgroup_mma(gl.convert_layout(a, dot_t, assert_trivial=True),
-                                      xt_bufs.index(k).permute((1, 0)), acc_t, is_async=True)
-                acc, acc_t, _ = warpgroup_mma_wait(num_outstanding=MMAS, deps=(acc, acc_t, prev))
-            else:
-                acc, _ = warpgroup_mma_wait(num_outstanding=MMAS, deps=(acc, prev))
-            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # the step before is done
-            prev = a
-            sc = sc_next
-            if HAS_OFFSETS:
-                off = off_next
+        for kk in range(STEPS // 2):
+            for u in gl.static_range(2):
+                k = 2 * kk + u
+                i = t * STEPS + k
+                s = i % STAGES
+                # the next step's scales: this tile's next K step, or the next tile's first
+                t1 = (i + 1) // STEPS
+                nxt = (g0 + t1 * BLOCK_N + r < hidden)[:, None] & (i + 1 < N_TILES * STEPS)
+                so_next = so + t1 * BLOCK_N * stride_sn + ((i + 1) % STEPS) * GROUPS
+                sc_next = gl.load(s_ptr + so_next, mask=nxt, other=0)
+                if HAS_OFFSETS:
+                    off_next = gl.load(o_ptr + so_next, mask=nxt, other=0)
+                f, p = _factors(sc, off, FMT, DECODE, HAS_OFFSETS)
+                mbarrier.wait(loaded.index(s), (i // STAGES) & 1)
+                a = _decode_operand(raw_bufs.index(s).load(wl), f, p, dot, FMT, DECODE, BLOCK_K)
+                fence_async_shared()
+                acc = warpgroup_mma(a, x_bufs.index(k).permute((1, 0)), acc, is_async=True)
+                if TAIL_M > 0:
+                    acc_t = warpgroup_mma(gl.convert_layout(a, dot_t, assert_trivial=True),
+                                          xt_bufs.index(k).permute((1, 0)), acc_t, is_async=True)
+                    acc, acc_t = warpgroup_mma_wait(num_outstanding=MMAS, deps=(acc, acc_t))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=MMAS, deps=[acc])
+                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # the step before is done
+                sc = sc_next
+                if HAS_OFFSETS:
+                    off = off_next
         n0 = g0 + t * BLOCK_N
         if TAIL_M > 0:
-            acc, acc_t, prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t, prev))
+            acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
         else:
-            acc, prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, prev))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         _store_y(acc, sorted_ptr, start, num_pairs, topk_w_ptr, y_ptr, stride_ym, n0, hidden, BLOCK_N, BLOCK_M)
         if TAIL_M > 0:
             _store_y(acc_t, sorted_ptr, start + BLOCK_M, num_pairs, topk_w_ptr, y_ptr, stride_ym, n0, hidden,
