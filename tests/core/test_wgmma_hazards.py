@@ -51,3 +51,13 @@ def test_shared_memory_operands_and_stores_are_not_writes():
 
 def test_a_loop_without_wgmmas_is_not_checked():
     assert wgmma_hazards(_sass("MOV R88, R5", "IADD3 R1, R1, 0x1, RZ", "@P0 BRA 0x0")) == []
+
+
+def test_a_register_written_after_a_predicate_counts():
+    """SHFL and LOP3 may write a predicate first and the register second; a compare writes none."""
+    def between(write):
+        return _sass("WARPGROUP.ARRIVE", "HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR4], R24, gsb0", write,
+                     "WARPGROUP.DEPBAR.LE gsb0, 0x0", "@P0 BRA 0x0")
+    assert wgmma_hazards(between("SHFL.IDX PT, R89, R5, RZ, 0x1f"))
+    assert wgmma_hazards(between("LOP3.LUT P0, R90, R0, 0xff, RZ, 0xc0, !PT"))
+    assert wgmma_hazards(between("ISETP.GE.AND P0, PT, R89, R2, PT")) == []

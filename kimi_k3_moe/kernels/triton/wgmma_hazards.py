@@ -24,9 +24,9 @@ def _instructions(sass: str) -> list[tuple[int, str, str]]:
 
 
 def _written(op: str, args: str) -> set[int]:
-    """The general registers an instruction writes (its first operand and the registers a wide result
-    takes after it)."""
-    m = re.match(r"R(\d+)\b", args)
+    """The general registers an instruction writes: its first register operand, after at most one
+    predicate it also writes (SHFL's, LOP3's), and the registers a wide result takes after it."""
+    m = re.match(r"(?:U?P(?:T|\d+),\s*)?R(\d+)\b", args)
     if not m or op.split(".")[0] in _NO_DEST:
         return set()
     last = op.rsplit(".", 1)[-1]
