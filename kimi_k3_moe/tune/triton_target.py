@@ -11,8 +11,7 @@ from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton import tuning_space
 from kimi_k3_moe.kernels.triton.backend import triton_has_ws
-from kimi_k3_moe.kernels.triton.aot import cuda_sass
-from kimi_k3_moe.kernels.triton.wgmma_hazards import wgmma_hazards
+from kimi_k3_moe.kernels.triton.aot import register_hazards
 from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.tune.loop import PACKAGED, TIMED, Candidate, is_packaged
 
@@ -102,7 +101,7 @@ class TritonTarget:
                 # the packaged config runs today whatever its registers: it is always the bar to beat
                 if (spills or regs >= REGISTER_MARGIN) and not is_packaged(cand.label):
                     return False, f"{launch.label}: {spills} spills, {regs} registers"
-                if launch.label.endswith(".ws") and (hazards := wgmma_hazards(cuda_sass(k.asm["cubin"]))):
+                if hazards := register_hazards(launch.kernel, k):
                     return False, f"{launch.label}: writes registers its wgmmas in flight read ({hazards[0]})"
             torch.cuda.synchronize()
         except Exception as exc:

@@ -143,6 +143,20 @@ def cuda_sass(cubin: bytes) -> str:
     return _cuobjdump(cubin, "-sass")
 
 
+def _is_gluon(kernel) -> bool:
+    """Whether a kernel is written in Gluon (KernelConfig.ws): its own source class, its own checks."""
+    return type(kernel).__name__ == "GluonJITFunction"
+
+
+def register_hazards(kernel, compiled) -> list[str] | None:
+    """For a Gluon kernel compiled for sm_90 (the warp-specialised stages), the writes to registers of
+    its in-flight wgmmas (wgmma_hazards.py); None for the others, whose wgmmas Triton schedules."""
+    if not _is_gluon(kernel):
+        return None
+    from kimi_k3_moe.kernels.triton.wgmma_hazards import wgmma_hazards
+    return wgmma_hazards(cuda_sass(compiled.asm["cubin"]))
+
+
 def _cuda_resources(cubin: bytes) -> dict:
     text = _cuobjdump(cubin, "--dump-resource-usage")
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
@@ -160,7 +174,7 @@ def _amd_resources(amdgcn: str) -> dict:
 def _source(kernel):
     """triton.compile's source class for a kernel: Gluon kernels (KernelConfig.ws) have their own."""
     from triton.compiler import ASTSource
-    if type(kernel).__name__ == "GluonJITFunction":
+    if _is_gluon(kernel):
         from triton.experimental.gluon._runtime import GluonASTSource
         return GluonASTSource
     return ASTSource
@@ -193,10 +207,8 @@ def compile_launch(launch: Launch, target: str) -> tuple[CompileReport, object]:
         spills = res["vgpr_spill_count"] + res["sgpr_spill_count"]
         stack = res["private_segment_fixed_size"]
         shared = max(md.shared, res["group_segment_fixed_size"])
-    hazards = None
-    if target.startswith("sm_") and type(launch.kernel).__name__ == "GluonJITFunction":
-        from kimi_k3_moe.kernels.triton.wgmma_hazards import wgmma_hazards
-        hazards = len(wgmma_hazards(cuda_sass(compiled.asm["cubin"])))
+    hazards = register_hazards(launch.kernel, compiled) if target.startswith("sm_") else None
+    hazards = None if hazards is None else len(hazards)
     report = CompileReport(launch.name, target, launch.label, launch.num_warps, launch.num_stages, shown,
                            md.hash, regs, sgprs, spills, stack, shared, round(seconds, 2),
                            # a warp-specialised kernel: all its partitions' warps
