@@ -132,6 +132,10 @@ def test_doctor_and_the_plugin_log_line_name_the_serving_table(tables):
     assert tt.describe_packaged({**h200, "triton": "3.9"}) == ("nvidia_h200: no entries for Triton 3.9; Triton "
                                                                "3.8's serve where they compile without spills "
                                                                "under 3.9, else the heuristic")
+    h100 = {"name": "NVIDIA H100 80GB HBM3", "key": "nvidia_h100_80gb_hbm3", "arch": "sm_90", "triton": "3.8"}
+    assert tt.describe_packaged(h100) == ("nvidia_h200 (the sm_90 table; none for NVIDIA H100 80GB HBM3): "
+                                          "Triton 3.8's entries serve (sections 3.6, 3.8)")
+    assert tt.describe_packaged({**h100, "arch": "sm_100"}) == "none for NVIDIA H100 80GB HBM3: the heuristic serves"
     path = user_tables.write(tt.USER_TABLE, user_tables.device_identity(), TIERS, triton_entries())
     assert common._table_line("triton[mxfp4]").startswith(f"user table {path}")
     assert doctor._tables_line("triton").startswith(f"tiles: user table {path}")

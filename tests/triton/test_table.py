@@ -112,6 +112,22 @@ def test_h200_table_covers_k3():
                                  triton=running).source.startswith("table "), (weight_format, i, running)
 
 
+def test_an_sm90_gpu_without_a_table_of_its_own_is_served_the_h200_entries():
+    """An H100 (the H200's die) took the heuristic, which ran 1.6-3.9x slower there than the H200's
+    entries; a GPU of another arch without a table still gets the heuristic."""
+    for t in (1, 64, 4096, 16384):
+        h200 = tt.lookup("nvidia_h200", "mxfp4", 896, 3584, 384, t, is_cuda=True, triton="3.8")
+        h100 = tt.lookup("nvidia_h100_80gb_hbm3", "mxfp4", 896, 3584, 384, t, is_cuda=True, triton="3.8",
+                         arch="sm_90")
+        assert h100.config == h200.config
+        assert h100.source == h200.source.replace(
+            "triton 3.8 ", "triton 3.8 (the sm_90 table; none for nvidia_h100_80gb_hbm3) ")
+        other = tt.lookup("nvidia_b200", "mxfp4", 896, 3584, 384, t, is_cuda=True, triton="3.8", arch="sm_100")
+        assert other.source == "heuristic"
+    assert tt.packaged_key("nvidia_h200", "sm_90") == "nvidia_h200"
+    assert tt.packaged_key("amd_instinct_mi300x", "gfx942") is None
+
+
 @pytest.mark.parametrize("e,h,i", K3 + [(6, 128, 64), (4, 96, 32)])
 def test_heuristic_is_valid_for_every_token_count(e, h, i):
     for t in probe_tokens([1, 8, 9, 64, 65, 512, 513, 2048, 2049]):

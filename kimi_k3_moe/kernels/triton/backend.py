@@ -210,7 +210,7 @@ def _log_wide_scales_once() -> None:
 
 @lru_cache(maxsize=4096)
 def _cached_lookup_inner(dev_key, weight_format, e, h, i, t, is_cuda, arch) -> Lookup:
-    return triton_table.lookup(dev_key, weight_format, e, h, i, t, is_cuda=is_cuda, verify=spill_check(arch))
+    return triton_table.lookup(dev_key, weight_format, e, h, i, t, is_cuda=is_cuda, verify=spill_check(arch), arch=arch)
 
 
 def _cached_lookup(dev_key, weight_format, e, h, i, t, is_cuda, table, arch) -> Lookup:

@@ -292,6 +292,17 @@ def table_path(dev_key: str) -> Path:
     return Path(str(resources.files(TABLE_PACKAGE).joinpath(TABLE_DIR, f"triton_{dev_key}.json")))
 
 
+# a GPU without a packaged table of its own takes its arch's: the H100, H800 and GH200 carry the H200's
+# GH100 die, and on an H100 the H200's entries ran 1.6-3.9x faster than the heuristic from 16 tokens up
+# (docs/PERF.md)
+ARCH_TABLES = {"sm_90": "nvidia_h200"}
+
+
+def packaged_key(dev_key: str, arch: str | None) -> str | None:
+    """The packaged table that serves a device: its own, else its arch's (ARCH_TABLES), else none."""
+    return dev_key if table_path(dev_key).is_file() else ARCH_TABLES.get(arch)
+
+
 @lru_cache(maxsize=None)
 def load_table(dev_key: str) -> dict | None:
     path = table_path(dev_key)
@@ -373,14 +384,16 @@ def _user_tiers(entry: dict) -> list[int]:
 
 def describe_packaged(identity: dict) -> str:
     """Which section of this device's packaged table serves under the running Triton (doctor, the log)."""
-    table = load_table(identity["key"])
-    if table is None:
+    key = packaged_key(identity["key"], identity.get("arch"))
+    if key is None:
         return f"none for {identity['name']}: the heuristic serves"
+    table = load_table(key)
+    which = key if key == identity["key"] else f"{key} (the {identity['arch']} table; none for {identity['name']})"
     running = identity.get("triton") or triton_version()
     versions = versions_nearest_first(table, running)
     if running in table["tritons"]:
-        return f"{identity['key']}: Triton {running}'s entries serve (sections {', '.join(sorted(versions))})"
-    return (f"{identity['key']}: no entries for Triton {running}; Triton {versions[0]}'s serve where they compile "
+        return f"{which}: Triton {running}'s entries serve (sections {', '.join(sorted(versions))})"
+    return (f"{which}: no entries for Triton {running}; Triton {versions[0]}'s serve where they compile "
             f"without spills under {running}, else the heuristic")
 
 
@@ -437,9 +450,10 @@ Verify = Callable[[MoEConfig, str, int, int, int, int], "str | None"]
 
 def lookup(dev_key: str, weight_format: str, num_experts: int, hidden: int, inter: int, num_tokens: int,
            *, is_cuda: bool, table: dict | None = None, triton: str | None = None,
-           verify: Verify | None = None) -> Lookup:
+           verify: Verify | None = None, arch: str | None = None) -> Lookup:
     """The config for `num_tokens` tokens; valid for every num_tokens >= 0. `triton`: the running
-    Triton's major.minor (default: this process's)."""
+    Triton's major.minor (default: this process's). Without `table`, the device's packaged table or
+    its `arch`'s (packaged_key)."""
     running = triton_version() if triton is None else triton
     # a valid user table (kimi-k3-moe tune, under this Triton) for exactly this device and shape comes first
     user = _user_entry(dev_key, weight_format, num_experts, 2 * inter, hidden) if table is None else None
@@ -447,11 +461,14 @@ def lookup(dev_key: str, weight_format: str, num_experts: int, hidden: int, inte
     if user is not None:
         found, origin = user
     else:
-        table = load_table(dev_key) if table is None else table
+        served = dev_key
+        if table is None:
+            served = packaged_key(dev_key, arch)
+            table = None if served is None else load_table(served)
         hit = None if table is None else find_versioned(table, running, weight_format, num_experts, 2 * inter, hidden)
         found = None if hit is None else hit[1:]
         version = running if hit is None else hit[0]
-        origin = f"table {dev_key} triton {version}"
+        origin = f"table {served} triton {version}" + ("" if served == dev_key else f" (the {arch} table; none for {dev_key})")
     if found is None:
         return Lookup(heuristic_config(hidden, inter, num_tokens, is_cuda=is_cuda), "heuristic")
     key, entry = found
