@@ -34,7 +34,6 @@ from _common import (SHAPES, Recipe, env_info, expert_map_for, log, poison_alloc
 import torch  # noqa: E402
 
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
-from kimi_k3_moe.kernels.triton import tuning_space  # noqa: E402
 from kimi_k3_moe.kernels.triton.table import KOrder, heuristic_config  # noqa: E402
 from kimi_k3_moe.formats.bf16 import round_once  # noqa: E402
 from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
@@ -219,8 +218,6 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
                                                            block_m=16)}))
         if t <= 16:
             out.append(("gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}))
-        # the warp-specialised kernels (sm_90; aligned elsewhere), together and each alone
-        out += [(label, {"config": cfg}) for label, cfg in tuning_space.ws_configs(t, h, i).items()]
         if t in (16, 257):
             base = heuristic_config(h, i, t, is_cuda=dev == "cuda")
             if base.path == "aligned" and base.stage1.block_k >= 128 and base.stage2.block_k >= 128:

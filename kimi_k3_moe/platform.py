@@ -24,7 +24,6 @@ INT4_ARCHS = ("gfx942",)              # no FP4 matrix instructions: experts requ
 TRITON_MIN_SM = 80
 FP8_MIN_SM = 89                       # e4m3 x e4m3 MMA (sm_89, sm_90 and newer)
 PDL_MIN_SM = 90                       # programmatic dependent launch (griddepcontrol)
-WS_SM = 90                            # the warp-specialised stages: wgmma and setmaxnreg are sm_90's only
 _SCALED_MFMA_ARCHS = ("gfx950",)      # v_mfma_scale_f32_*_f8f6f4: fp8/fp4 operands with e8m0 scales
 LDS_PER_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}   # CDNA3 64 KiB, CDNA4 160 KiB
 SHARED_PER_BLOCK = {"sm_90": 227 * 1024, **LDS_PER_CU}     # what one block may use (H100/H200: 227 KB)

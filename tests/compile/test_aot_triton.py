@@ -218,52 +218,6 @@ def test_pdl_kernels_wait_for_their_predecessor_on_sm90_only():
         assert ("griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" in code) == (target == "sm_90")
 
 
-def test_the_warp_specialised_stages_feed_their_wgmmas_from_registers_and_shared_memory():
-    """KernelConfig.ws on sm_90 (docs/TRITON.md, "Warp-specialised stages"), both stages and weight formats,
-    TP8's 160-row blocks (stage 2 also on 128-row blocks of its own): a loader warpgroup fills the ring with
-    cp.async (LDGSTS) and arrives on its barrier as they land; the MMA warps' wgmmas take the decoded weights
-    as the register operand and the activation rows from shared memory (HGMMA R.., gdesc[..]), a step's
-    wgmmas chained and left in flight while the next step decodes (a WARPGROUP.DEPBAR with a nonzero count
-    in the K loop), and no register those wgmmas read is written before they retire (wgmma_hazards.py);
-    registers handed from the loader to the MMA warps (USETMAXREG). Stage 2 holds its block's inter rows
-    (160 x 384 bf16, 120 KB) in shared memory for its 28 N tiles and stores each tile's y 16 bytes at a
-    time. No spills under a Triton the NVIDIA tables are tuned with; at 160 rows the MMA warps use nearly
-    all of their 224 registers, and Triton 3.9 spills a few bytes there (the tuner and the lookup refuse a
-    config that spills under the running Triton), so under others the spills are printed, not failed."""
-    import re
-
-    import triton
-
-    from kimi_k3_moe.kernels.triton.aot import compile_launch, cuda_sass, meta_experts, plan_for_shape
-    from kimi_k3_moe.kernels.triton.wgmma_hazards import wgmma_hazards
-    tuned_with = {v for path in TABLES.glob("triton_nvidia_*.json") for v in json.loads(path.read_text())["tritons"]}
-    strict = _minor(triton.__version__) in tuned_with
-    s1 = tt.KernelConfig(128, 32, 8, 4, True, tt.KOrder.PAIRS, ws=True)
-    s2 = tt.KernelConfig(128, 32, 8, 4, True, tt.KOrder.PAIRS, 28, ws=True)
-    # the K loop runs in pairs of steps: (gate, up) x (main, tail) x 2 k16 x 2 steps in stage 1 (N 128 and
-    # 32); (main, tail) x 2 k16 x 2 steps in stage 2 on the tail blocks, main only on 128-row blocks
-    for stage2_block_m, s2_hgmmas in ((None, (8, ["128", "32"])), (128, (4, ["128"]))):
-        cfg = tt.MoEConfig("aligned", 160, s1, s2, "ptx", stage2_block_m).validate(3584, 384)
-        hgmmas = {"stage1.ws": (16, ["128", "32"]), "stage2.ws": s2_hgmmas}
-        for weight_format in ("mxfp4", "int4"):
-            plan = plan_for_shape(meta_experts(weight_format, 896, 3584, 384), 16384, 16, ActivationSpec(*SITU), cfg)
-            for label, (count, widths) in hgmmas.items():
-                if label == "stage1.ws" and stage2_block_m is not None:
-                    continue
-                report, kernel = compile_launch(next(l for l in plan if l.label == label), "sm_90")
-                sass = cuda_sass(kernel.asm["cubin"])
-                assert report.spills == 0 or not strict, report.row()
-                if report.spills:
-                    print(f"Triton {triton.__version__}: {label} {weight_format} spills {report.spills} bytes")
-                hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
-                assert sorted(set(hgmma)) == widths and len(hgmma) == count, (label, hgmma)
-                assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x[1-9]", sass), label
-                assert report.wgmma_hazards == 0, (label, wgmma_hazards(sass)[:3])
-                assert "LDGSTS" in sass and "ARRIVES.LDGSTSBAR" in sass and "USETMAXREG" in sass, label
-                if label == "stage2.ws":
-                    assert report.shared >= cfg.block_ms[1] * 384 * 2 and "STG.E.128" in sass, report.row()
-
-
 def test_blocks_per_sm_follows_cudas_occupancy_rules():
     from kimi_k3_moe.kernels.triton.aot import blocks_per_sm
     assert blocks_per_sm("sm_90", 255, 8, 194 * 1024) == 1      # registers and shared memory both allow one

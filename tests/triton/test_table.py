@@ -4,7 +4,7 @@ Plain Python, no kernels: every tuned table shipped in the package and a
 synthetic one are probed at every tier edge, edge + 1 and far beyond.
 """
 import json
-from dataclasses import replace
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -177,53 +177,17 @@ def test_config_json_roundtrip_and_validation():
 
 
 
-def test_the_warp_specialised_stages_validate_their_tiles_and_run_aligned_where_they_cannot():
-    """KernelConfig.ws (sm_90, Gluon), either stage of the aligned path: swapped in pair order, 16 weight
-    rows per MMA warp, K steps of 32 or 64, a ring of >= 2; stage 1 with a stage 2 reading plain or pair
-    order, stage 2 holding its block's inter rows in shared memory. Off sm_90, without Gluon's Hopper API or
-    off NVIDIA, the same tiles run the aligned kernels. The path "ws" of the release before reads as the
-    aligned path with stage 1 warp-specialised."""
-    s1 = KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS, ws=True)
-    s2 = KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS, 28, ws=True)
-    for cfg in (MoEConfig("aligned", 160, s1, KernelConfig(64, 128, 4, 3, True, KOrder.PLAIN_INTER, 28), "ptx", 64),
-                MoEConfig("aligned", 160, s1, s2, "ptx", 128),
-                MoEConfig("aligned", 96, KernelConfig(64, 128, 4, 3, True), s2, stage2_block_m=128)):
-        cfg.validate(3584, 384)
-        assert MoEConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
-        assert cfg.for_target(True) == cfg
-        for off in (cfg.for_target(True, has_ws=False), cfg.for_target(False)):
-            assert not (off.stage1.ws or off.stage2.ws) and off.validate(3584, 384)
-            assert replace(off.stage1, ws=cfg.stage1.ws) == cfg.stage1
-    assert "ws" not in KernelConfig().to_json()  # tables without the field read as before
-    legacy = {**cfg.to_json(), "path": "ws", "stage1": {**s1.to_json(), "ws": False}}
-    assert MoEConfig.from_json(legacy).stage1 == s1
-    bad = {"swapped and in order 'pairs'": dict(order=KOrder.INTERLEAVE),
-           "16 x num_warps": dict(block_n=64),
-           "32 or 64 and num_stages": dict(block_k=128)}
-    for why, change in bad.items():
-        for n in (1, 2):
-            with pytest.raises(ValueError, match=f"stage{n}.ws: .*{why}"):
-                cfg = MoEConfig("aligned", 160, s1, s2, stage2_block_m=128)
-                replace(cfg, **{f"stage{n}": replace(getattr(cfg, f"stage{n}"), **change)}).validate(3584, 384)
-    with pytest.raises(ValueError, match="stage1.ws: stage 2 must read inter plain or in pair order"):
-        MoEConfig("aligned", 160, s1, KernelConfig(64, 128, 4, 3, True, KOrder.WORDS)).validate(3584, 384)
-    with pytest.raises(ValueError, match=r"stage2.ws: its ring and activation rows take 991232 bytes of shared "
-                                         r"memory, over 204800"):
-        MoEConfig("aligned", 160, s1, s2).validate(3584, 3072)  # EP16: 160 rows x I = 3072 in bf16, and the ring
-    MoEConfig("aligned", 160, s1, s2).validate(3584, 384)  # stage 2 on tail blocks too
-    # the K loops run in pairs of steps: TP16's I = 192 in steps of 64 is three
-    with pytest.raises(ValueError, match="stage2.ws: block_k = 64 must divide K into an even number of steps"):
-        MoEConfig("aligned", 160, s1, replace(s2, block_k=64)).validate(3584, 192)
-    MoEConfig("aligned", 160, s1, replace(s2, block_k=64)).validate(3584, 384)
-    for stage in (1, 2):  # nor a ring too deep for sm_90
-        cfg = MoEConfig("aligned", 160, s1, s2, stage2_block_m=128)
-        deep = replace(cfg, **{f"stage{stage}": replace(getattr(cfg, f"stage{stage}"), num_stages=64)})
-        with pytest.raises(ValueError, match=f"stage{stage}.ws: its ring and activation rows take"):
-            deep.validate(3584, 384)
-    assert MoEConfig("aligned", 160, s1, s2).ws_shared_bytes(2, 384) == 4 * 128 * 16 + 160 * 384 * 2
-    assert MoEConfig("aligned", 160, s1, s2, stage2_block_m=128).ws_shared_bytes(2, 384) == 4 * 128 * 16 + 128 * 384 * 2
-    with pytest.raises(ValueError, match="stage2.ws: the warp-specialised kernels are the aligned path's"):
-        MoEConfig("direct", 16, KernelConfig(32, 256, 4, 3, True, KOrder.STACKED), s2).validate(3584, 384)
+def test_configs_of_the_warp_specialised_stages_are_refused_with_a_message():
+    """Those kernels were removed; a user table that chose them is refused (its tiles were timed on
+    kernels that no longer exist) and says so, for both forms earlier releases wrote."""
+    s1 = {**KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS).to_json(), "ws": True}
+    cfg = MoEConfig("aligned", 160, stage2=KernelConfig(64, 128, 4, 3, True, KOrder.PLAIN_INTER, 28)).to_json()
+    for bad, where in (({**cfg, "stage1": s1}, "stage1.ws"), ({**cfg, "stage2": {**cfg["stage2"], "ws": True}}, "stage2.ws"),
+                       ({**cfg, "path": "ws"}, "path 'ws'")):
+        with pytest.raises(ValueError, match=f"^{re.escape(where)}: the warp-specialised kernels were removed"):
+            MoEConfig.from_json(bad)
+    assert MoEConfig.from_json({**cfg, "stage1": {**s1, "ws": False}}).stage1 == KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS)
+    assert "ws" not in KernelConfig().to_json()
 
 
 def test_k_order_rules():
@@ -339,32 +303,6 @@ def test_tuning_space_tries_tail_blocks_and_split_stage2_at_4096_plus():
                 c.validate(3584, 384)
     assert all(tt.row_tiles(bm)[1] == 0 for tier in (16, 256, 1024)
                for path, bm in ts.candidates(tier, 3584, 384) if path == "aligned")
-
-
-def test_tuning_space_tries_the_warp_specialised_stages_on_tail_blocks_that_fit_them():
-    """The warp-specialised stage 1 (group "ws") is tried (quick tunes included) on the 96- and 160-row
-    tail blocks of the 4096 and 16384 tiers, at TP8, TP16 and EP16, never at 192 rows (it spills) nor
-    below 4096. Its stage 2: the warp-specialised one (WS_S2, those whose K steps pair up) and the
-    many-tile aligned one on the same blocks where they fit (TP8, TP16), else the tail blocks' own (EP16);
-    the aligned stage 1 is tried with the warp-specialised stage 2 as well."""
-    from kimi_k3_moe.kernels.triton import tuning_space as ts
-    for inter in (384, 192, 3072):
-        fitting = [t for t in ts.WS_S2 if inter != 3072 and (inter // t[1]) % 2 == 0]
-        for tier in ts.TIERS:
-            for quick in (False, True):
-                space = ts.candidates(tier, 3584, inter, quick)
-                ws = sorted(bm for group, bm in space if group == "ws")
-                assert ws == [bm for bm in ts.TAIL_BLOCKS.get(tier, ()) if bm in ts.WS_BLOCK_MS]
-                for bm in ws:
-                    s1, s2, base = space[("ws", bm)]
-                    tried = [t for t in ts.WS_S2[:ts.QUICK if quick else None] if t in fitting]
-                    assert len(s1) == len(ts.WS_S1) and base.stage2.ws == bool(tried)
-                    assert [c.stage2 for c in s2 if c.stage2.ws] == [ts.ws_kc(t) for t in tried]
-                    for c in (base, *s1, *s2):
-                        assert c.validate(3584, inter).stage1.ws and c.block_m == bm
-                    aligned_s2 = space[("aligned", bm)][1]
-                    assert sum(c.stage2.ws for c in aligned_s2) == (ts.WS_S2[0] in fitting)
-    assert ts.WS_BLOCK_MS == (96, 160) and sorted(b for v in ts.TAIL_BLOCKS.values() for b in v) == [96, 160, 192]
 
 
 def test_tuning_space_tries_the_direct_path_with_pdl_at_the_small_tiers():

@@ -122,7 +122,6 @@ class CompileReport:
     shared: int             # shared memory / LDS bytes
     seconds: float
     blocks_per_sm: int | None = None  # NVIDIA only (blocks_per_sm)
-    wgmma_hazards: int | None = None  # sm_90 Gluon kernels: writes to operands of wgmmas in flight (wgmma_hazards.py)
 
     def row(self) -> dict:
         return asdict(self)
@@ -143,20 +142,6 @@ def cuda_sass(cubin: bytes) -> str:
     return _cuobjdump(cubin, "-sass")
 
 
-def _is_gluon(kernel) -> bool:
-    """Whether a kernel is written in Gluon (KernelConfig.ws): its own source class, its own checks."""
-    return type(kernel).__name__ == "GluonJITFunction"
-
-
-def register_hazards(kernel, compiled) -> list[str] | None:
-    """For a Gluon kernel compiled for sm_90 (the warp-specialised stages), the writes to registers of
-    its in-flight wgmmas (wgmma_hazards.py); None for the others, whose wgmmas Triton schedules."""
-    if not _is_gluon(kernel):
-        return None
-    from kimi_k3_moe.kernels.triton.wgmma_hazards import wgmma_hazards
-    return wgmma_hazards(cuda_sass(compiled.asm["cubin"]))
-
-
 def _cuda_resources(cubin: bytes) -> dict:
     text = _cuobjdump(cubin, "--dump-resource-usage")
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text))
@@ -171,24 +156,16 @@ def _amd_resources(amdgcn: str) -> dict:
                                  "group_segment_fixed_size", "private_segment_fixed_size")}
 
 
-def _source(kernel):
-    """triton.compile's source class for a kernel: Gluon kernels (KernelConfig.ws) have their own."""
-    from triton.compiler import ASTSource
-    if _is_gluon(kernel):
-        from triton.experimental.gluon._runtime import GluonASTSource
-        return GluonASTSource
-    return ASTSource
-
-
 def compile_launch(launch: Launch, target: str) -> tuple[CompileReport, object]:
     """Compile `launch`'s kernel for `target` (a TARGETS key). Returns the report and the kernel."""
     import time
 
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
     signature, constexprs, attrs = _signature(launch)
-    src = _source(launch.kernel)(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     start = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget(*TARGETS[target]),
                               options=launch.options())
@@ -207,10 +184,7 @@ def compile_launch(launch: Launch, target: str) -> tuple[CompileReport, object]:
         spills = res["vgpr_spill_count"] + res["sgpr_spill_count"]
         stack = res["private_segment_fixed_size"]
         shared = max(md.shared, res["group_segment_fixed_size"])
-    hazards = register_hazards(launch.kernel, compiled) if target.startswith("sm_") else None
-    hazards = None if hazards is None else len(hazards)
     report = CompileReport(launch.name, target, launch.label, launch.num_warps, launch.num_stages, shown,
                            md.hash, regs, sgprs, spills, stack, shared, round(seconds, 2),
-                           # a warp-specialised kernel: all its partitions' warps
-                           blocks_per_sm(target, regs, md.num_warps, shared), hazards)
+                           blocks_per_sm(target, regs, md.num_warps, shared))
     return report, compiled

@@ -28,7 +28,7 @@ from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.platform import PDL_MIN_SM, TRITON_MIN_SM, WS_SM, detect_platform, for_arch, is_rocm, sm_version
+from kimi_k3_moe.platform import PDL_MIN_SM, TRITON_MIN_SM, detect_platform, for_arch, is_rocm, sm_version
 from kimi_k3_moe.reference import check_routing
 
 ENV_INTERPRET = "TRITON_INTERPRET"
@@ -127,7 +127,6 @@ class TritonBackend(MoEBackend):
     def lookup(self, prepared, num_tokens: int) -> Lookup:
         dev_key, is_cuda = self._target(prepared.device)
         has_pdl = sm_version(self.arch) >= PDL_MIN_SM and triton_has_pdl()
-        has_ws = sm_version(self.arch) == WS_SM and triton_has_ws()
         if self.config is not None:
             found = Lookup(self.config, "pinned")
         else:
@@ -136,7 +135,7 @@ class TritonBackend(MoEBackend):
         cfg = found.config
         if self.decode is not None and self.decode != cfg.decode:
             cfg = replace(cfg, decode=self.decode)
-        target_cfg = cfg.for_target(is_cuda, has_pdl, has_ws)
+        target_cfg = cfg.for_target(is_cuda, has_pdl)
         decoded = "" if cfg is found.config else f" decode={target_cfg.decode}"
         return Lookup(target_cfg, found.source + decoded)
 
@@ -192,16 +191,6 @@ def triton_has_pdl() -> bool:
 
 
 @lru_cache(maxsize=1)
-def triton_has_ws() -> bool:
-    """Whether this Triton has the Gluon Hopper API the warp-specialised stages are written in (3.6+)."""
-    try:
-        from kimi_k3_moe.kernels.triton._details import ws_kernels  # noqa: F401
-    except (ImportError, AttributeError):
-        return False
-    return True
-
-
-@lru_cache(maxsize=1)
 def _log_wide_scales_once() -> None:
     logging.getLogger(__name__).info(
         "MXFP4 experts with a scale above 2 (an e8m0 byte above 128): their layers decode with two bf16 "
@@ -233,8 +222,7 @@ def spill_check(arch: str):
 @lru_cache(maxsize=256)
 def _spills(arch: str, weight_format: str, e: int, h: int, i: int, tier: int, cfg_json: str) -> str | None:
     """None when every launch of this config compiles for `arch` under the running Triton without
-    spilling or, in the warp-specialised kernels, a register hazard (aot.CompileReport; once per config:
-    compiling is seconds, on the CPU), else why not."""
+    spilling (aot.CompileReport; once per config: compiling is seconds, on the CPU), else why not."""
     from kimi_k3_moe.kernels.triton import aot
     if arch not in aot.TARGETS:
         return f"no compile check for {arch}"
@@ -247,8 +235,6 @@ def _spills(arch: str, weight_format: str, e: int, h: int, i: int, tier: int, cf
             return f"{launch.label} does not compile ({type(exc).__name__})"
         if report.spills:
             return f"{launch.label} spills {report.spills} bytes"
-        if report.wgmma_hazards:
-            return f"{launch.label} writes registers its wgmmas in flight still read ({report.wgmma_hazards} places)"
     return None
 
 

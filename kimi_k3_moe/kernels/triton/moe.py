@@ -8,8 +8,8 @@ from kimi_k3_moe.kernels.triton.table import KOrder, MoEConfig
 from kimi_k3_moe.kernels.triton.alignment import align_launches, direct_pairs
 from kimi_k3_moe.kernels.triton.launch import Launch, chain_dependents
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, stage1_ws, word_order
-from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k, stage2_aligned, stage2_gemv, stage2_ws
+from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, word_order
+from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k, stage2_aligned, stage2_gemv
 
 
 def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
@@ -47,7 +47,5 @@ def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, o
     elif stored == KOrder.WORDS:
         x, permute = word_order(hidden, s1_cfg.block_k)
         launches.append(permute)
-    stage1 = stage1_ws if s1_cfg.ws else stage1_aligned
-    stage2 = stage2_ws if s2_cfg.ws else stage2_aligned
-    inter, s1 = stage1(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode, s2_cfg)
-    return [*launches, s1, *stage2(experts, inter, pairs2, topk_weights, out, s2_cfg, config.decode)]
+    inter, s1 = stage1_aligned(experts, x, pairs, topk_ids.shape[1], activation, s1_cfg, config.decode, s2_cfg)
+    return [*launches, s1, *stage2_aligned(experts, inter, pairs2, topk_weights, out, s2_cfg, config.decode)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec, UnsupportedActivationError
-from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder
+from kimi_k3_moe.kernels.triton.table import KernelConfig
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
@@ -100,20 +100,6 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
     args.update(SWAP=cfg.swap, **stage1_args(cfg, stage2), **row_tile_args(pairs))
     grid = (pairs.max_blocks * cdiv(experts.intermediate_size, cfg.block_n),)
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
-
-
-def stage1_ws(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedPairs, topk: int,
-              activation: ActivationSpec, cfg: KernelConfig, decode: str,
-              stage2: KernelConfig) -> tuple[torch.Tensor, Launch]:
-    """stage1_aligned's result (sm_90) from the warp-specialised kernel (_details/ws_kernels.py,
-    imported here: Gluon exists from Triton 3.6 on). `hidden` in pair order. It decodes with the PTX
-    decoders only (NVIDIA's), whatever `decode` says."""
-    from kimi_k3_moe.kernels.triton._details.ws_kernels import ws_stage1_kernel
-    inter, args = _aligned_args(experts, hidden, pairs, topk, activation, cfg, "ptx")
-    args.update(BLOCK_ROWS=pairs.block_m, STAGES=cfg.num_stages,
-                OUT_PAIRS=stage2.order.stored_order == KOrder.PAIRS)
-    grid = (pairs.max_blocks * cdiv(experts.intermediate_size, cfg.block_n),)
-    return inter, Launch(ws_stage1_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.ws")
 
 
 def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,

@@ -39,19 +39,6 @@ def _row_block_args(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedP
                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles, PDL=False)
 
 
-def stage2_ws(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPairs,
-              topk_weights: torch.Tensor, out: torch.Tensor, cfg: KernelConfig, decode: str) -> list[Launch]:
-    """stage2_aligned's result (sm_90) with the matmul from the warp-specialised kernel
-    (_details/ws_kernels.py, imported here: Gluon exists from Triton 3.6 on). `inter` in pair order.
-    It decodes with the PTX decoders only (NVIDIA's), whatever `decode` says."""
-    from kimi_k3_moe.kernels.triton._details.ws_kernels import ws_stage2_kernel
-    y, args = _row_block_args(experts, inter, pairs, topk_weights, cfg, "ptx")
-    args.update(BLOCK_ROWS=pairs.block_m, STAGES=cfg.num_stages)
-    grid = (pairs.max_blocks * cdiv(experts.hidden_size, cfg.block_n * cfg.n_tiles),)
-    matmul = Launch(ws_stage2_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage2.ws")
-    return [matmul, topk_reduce(y, pairs, out, topk_weights.shape[1])]
-
-
 def topk_reduce(y: torch.Tensor, pairs: AlignedPairs, out: torch.Tensor, topk: int) -> Launch:
     """out[t] = the sum of y over t's top-k slots, in slot order, fp32 (absent slots add nothing)."""
     hidden = y.shape[1]

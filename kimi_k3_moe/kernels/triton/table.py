@@ -84,10 +84,6 @@ class KernelConfig:
     # aligned stage 2: N tiles per program, K unrolled and the tile loop pipelined (its K = I is a few
     # steps only, so per-tile loads would otherwise start from an empty pipeline at every tile)
     n_tiles: int = 1
-    # aligned path, sm_90: the stage's warp-specialised kernel (Gluon, _details/ws_kernels.py; `ws_misfit`
-    # says which tiles it takes); where it cannot run (MoEConfig.for_target) the same tiles run the
-    # aligned kernel
-    ws: bool = False
 
     def __post_init__(self):
         if not isinstance(self.order, KOrder):  # "pairs" and KOrder.PAIRS: one config
@@ -110,15 +106,14 @@ class KernelConfig:
             raise ValueError(f"{what}: {why}")
 
     def to_json(self) -> dict:
-        d = {**asdict(self), "order": self.order.value}
-        if not self.ws:
-            del d["ws"]
-        return d
+        return {**asdict(self), "order": self.order.value}
 
     @classmethod
     def from_json(cls, d: dict, what: str = "stage") -> "KernelConfig":
         """Also reads the form of earlier releases (LEGACY_ORDER_FLAGS instead of `order`)."""
         d = dict(d)
+        if d.pop("ws", False):
+            raise ValueError(f"{what}.ws: {WS_REMOVED}")
         flags = {name: bool(d.pop(name)) for name in LEGACY_ORDER_FLAGS if name in d}
         if flags and "order" in d:
             raise ValueError(f"{what}: both order and {', '.join(flags)}")
@@ -140,7 +135,6 @@ class MoEConfig:
     path "direct": the aligned path's matmuls with every pair a block of its
     own (block_m 16: one row and padding), so nothing is launched to group the
     pairs; for a few tokens, whose pairs nearly all have an expert to themselves.
-    On the aligned path either stage may run its warp-specialised kernel (KernelConfig.ws).
     """
 
     path: str = "aligned"
@@ -184,11 +178,6 @@ class MoEConfig:
                 raise ValueError(f"stage{n}: {why}")
         if self.stage1.n_tiles != 1 or (self.path == "gemv" and self.stage2.n_tiles != 1):
             raise ValueError("n_tiles: only the aligned stage 2 takes several N tiles per program")
-        for n, stage in ((1, self.stage1), (2, self.stage2)):
-            if stage.ws and self.path != "aligned":
-                raise ValueError(f"stage{n}.ws: the warp-specialised kernels are the aligned path's")
-            if stage.ws and (why := self.ws_misfit(n, hidden, inter)):
-                raise ValueError(f"stage{n}.ws: {why}")
         return self
 
     def _validate_row_blocks(self) -> None:
@@ -211,63 +200,24 @@ class MoEConfig:
 
     @classmethod
     def from_json(cls, d: dict) -> "MoEConfig":
-        """Also reads path "ws" of the release before KernelConfig.ws: the aligned path, stage 1 warp-specialised."""
         s2_bm = d.get("stage2_block_m")
-        stage1 = KernelConfig.from_json(d["stage1"], "stage1")
-        path = d["path"]
-        if path == "ws":
-            path, stage1 = "aligned", replace(stage1, ws=True)
-        return cls(path=path, block_m=int(d.get("block_m", 16)), decode=d.get("decode", "bits"),
-                   stage1=stage1, stage2=KernelConfig.from_json(d["stage2"], "stage2"),
+        if d["path"] == "ws":
+            raise ValueError(f"path 'ws': {WS_REMOVED}")
+        return cls(path=d["path"], block_m=int(d.get("block_m", 16)), decode=d.get("decode", "bits"),
+                   stage1=KernelConfig.from_json(d["stage1"], "stage1"),
+                   stage2=KernelConfig.from_json(d["stage2"], "stage2"),
                    stage2_block_m=None if s2_bm is None else int(s2_bm), pdl=bool(d.get("pdl", False)))
 
-    def for_target(self, is_cuda: bool, has_pdl: bool = True, has_ws: bool = True) -> "MoEConfig":
+    def for_target(self, is_cuda: bool, has_pdl: bool = True) -> "MoEConfig":
         """The PTX decode exists on NVIDIA only; elsewhere the portable decode. Programmatic
-        dependent launch needs NVIDIA sm_90+ (`has_pdl`, the backend knows the arch); the
-        warp-specialised kernels need sm_90 and a Triton with Gluon's Hopper API (`has_ws`), else the
-        same tiles run the aligned kernels."""
+        dependent launch needs NVIDIA sm_90+ (`has_pdl`, the backend knows the arch)."""
         cfg = self if is_cuda or self.decode == "bits" else replace(self, decode="bits")
-        if (cfg.stage1.ws or cfg.stage2.ws) and not (is_cuda and has_ws):
-            cfg = replace(cfg, stage1=replace(cfg.stage1, ws=False), stage2=replace(cfg.stage2, ws=False))
         return cfg if cfg.pdl is False or (is_cuda and has_pdl) else replace(cfg, pdl=False)
 
-    def ws_misfit(self, stage: int, hidden: int, inter: int) -> str | None:
-        """Why stage `stage` (1 or 2) cannot run its warp-specialised kernel with these tiles, or None.
-        Both read their activations in pair order as the MMA's B operand (swap), one wgmma row block of
-        16 weight rows per MMA warp (block_n = 16 x num_warps, num_warps 4 or 8), an even number of K steps
-        of 32 or 64 (the kernels run them in pairs) in a ring of >= 2, all within WS_SHARED_BYTES
-        (`ws_shared_bytes`). Stage 1 stores inter plain or in pair order (stage 2's stored order); stage 2
-        reads it in pair order."""
-        cfg = self.stage1 if stage == 1 else self.stage2
-        if not cfg.swap or cfg.order != KOrder.PAIRS:
-            return "the stage must be swapped and in order 'pairs'"
-        if cfg.num_warps not in (4, 8) or cfg.block_n != 16 * cfg.num_warps:
-            return f"block_n = {cfg.block_n} must be 16 x num_warps ({cfg.num_warps}; 4 or 8)"
-        if cfg.block_k not in (32, 64) or cfg.num_stages < 2:
-            return f"block_k = {cfg.block_k} must be 32 or 64 and num_stages >= 2"
-        if stage == 1 and self.stage2.order.stored_order == KOrder.WORDS:
-            return "stage 2 must read inter plain or in pair order"
-        if (held := self.ws_shared_bytes(stage, inter)) > WS_SHARED_BYTES:
-            return f"its ring and activation rows take {held} bytes of shared memory, over {WS_SHARED_BYTES}"
-        if ((hidden if stage == 1 else inter) // cfg.block_k) % 2:
-            return f"block_k = {cfg.block_k} must divide K into an even number of steps (the kernels run them in pairs)"
-        return None
 
-    def ws_shared_bytes(self, stage: int, inter: int) -> int:
-        """The shared memory a warp-specialised stage holds: num_stages slots of packed weight words
-        (stage 1: gate and up rows), and its block's activation rows, bf16: stage 1 one K step of them
-        per slot, stage 2 all of K = I (kept for every N tile)."""
-        cfg = self.stage1 if stage == 1 else self.stage2
-        rows = self.block_ms[stage - 1]
-        words = (2 if stage == 1 else 1) * cfg.block_n * cfg.block_k // 2
-        if stage == 1:
-            return cfg.num_stages * (words + rows * cfg.block_k * 2)
-        return cfg.num_stages * words + rows * inter * 2
-
-
-# what a warp-specialised stage may hold in shared memory (MoEConfig.ws_shared_bytes): sm_90 gives a block
-# 227 KB, and the epilogue's layout change, the barriers and the compiler's alignment take the rest
-WS_SHARED_BYTES = 200 * 1024
+# what reading a config of the releases that had warp-specialised stages says of one that used them
+WS_REMOVED = ("the warp-specialised kernels were removed (slower than the aligned ones on the H200 and H100, "
+              "docs/TRITON.md); run `kimi-k3-moe tune` again")
 
 
 @dataclass(frozen=True)

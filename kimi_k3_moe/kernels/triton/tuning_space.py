@@ -77,15 +77,6 @@ SPLIT_STAGE2_BLOCK_M = 128
 # each. Tried on both kinds of block, inter in pair order and read plainly (PLAIN_INTER).
 TAIL_S2_TILES = [(64, 128, 4, 3, PAIRS, 28), (64, 128, 4, 2, PAIRS, 28),
                  (64, 128, 4, 3, PLAIN_INTER, 28), (64, 128, 4, 2, PLAIN_INTER, 28)]
-# the warp-specialised kernels (sm_90, KernelConfig.ws, docs/TRITON.md) on the same tail blocks: 128 weight
-# rows over 8 MMA warps. Stage 1: K steps of 32 in a ring of 4 or 6 (57 / 86 KB of shared memory at 160
-# rows). Stage 2: the block's inter rows held in shared memory for 28 or 14 N tiles (120 KB at 160 rows and
-# TP8's I), K steps of 32 or 64 in a ring of 4; tried with either stage 1, and the many-tile aligned stage 2
-# above with the warp-specialised stage 1. Not yet timed on an H200: the tuner measures them beside the
-# aligned tiles and a table takes them only where they win.
-WS_S1 = [(128, 32, 8, 4, PAIRS), (128, 32, 8, 6, PAIRS)]
-WS_BLOCK_MS = (96, 160)  # at 192 rows stage 1's four accumulators and two steps' operands spill (sm_90, Triton 3.8)
-WS_S2 = [(128, 32, 8, 4, PAIRS, 28), (128, 64, 8, 4, PAIRS, 28), (128, 32, 8, 4, PAIRS, 14)]
 
 
 def block_ms(tier: int) -> list[int]:
@@ -104,17 +95,11 @@ def swaps(block_m: int) -> list[bool]:
     return [True] if block_m <= 32 else [True, False]
 
 
-def kc(t, swap=True, ws=False) -> KernelConfig:
+def kc(t, swap=True) -> KernelConfig:
     bn, bk, w, s, *rest = t
     order = rest[0] if rest else INTERLEAVE
     n_tiles = rest[1] if len(rest) > 1 else 1
-    return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap, order=order, n_tiles=n_tiles,
-                        ws=ws)
-
-
-def ws_kc(t) -> KernelConfig:
-    """A warp-specialised stage's tile (always swapped)."""
-    return kc(t, ws=True)
+    return KernelConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap=swap, order=order, n_tiles=n_tiles)
 
 
 def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
@@ -124,7 +109,7 @@ def valid(cfg: MoEConfig, hidden: int, inter: int) -> bool:
         return False
     s2 = cfg.stage2
     held = cfg.block_ms[1] * inter * 2
-    return not (cfg.path == "aligned" and not s2.ws and s2.order.pairs and s2.n_tiles > 1 and held > TILES_X_BYTES)
+    return not (cfg.path == "aligned" and s2.order.pairs and s2.n_tiles > 1 and held > TILES_X_BYTES)
 
 
 def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
@@ -156,21 +141,6 @@ def candidates(tier: int, hidden: int, inter: int, quick: bool = False):
     for bm in TAIL_BLOCKS.get(tier, ()):
         out.update(_tail_candidates(base_h, bm, hidden, inter, n))
     return out
-
-
-def ws_configs(tier: int, hidden: int, inter: int) -> dict[str, MoEConfig]:
-    """The tier's first warp-specialised candidates (on its first tail block that fits them): "ws" the group
-    "ws"'s base (both stages where stage 2's tiles fit), "ws-s1" its stage 1 with the many-tile aligned
-    stage 2, "ws-s2" the aligned stage 1 with the warp-specialised stage 2; what benchmarks/check_gpu.py
-    checks beside the table's entries while no entry uses those kernels (a wrong result names its kernel)."""
-    space = candidates(tier, hidden, inter, quick=True)
-    found = [bm for group, bm in space if group == "ws"]
-    if not found:
-        return {}
-    s1, s2, base = space[("ws", found[0])]
-    alone = {"ws-s1": (c for c in s2 if not c.stage2.ws and c.stage2_block_m is None),
-             "ws-s2": (c for c in space.get(("aligned", found[0]), ((), ()))[1] if c.stage2.ws)}
-    return {"ws": base} | {label: c for label, cands in alone.items() if (c := next(cands, None)) is not None}
 
 
 def _winners_first(tiles: list, winners: list) -> list:
@@ -206,25 +176,6 @@ def _tail_candidates(base_h: MoEConfig, bm: int, hidden: int, inter: int, n: int
     s2 += [replace(base, stage2=kc(c, sw)) for c, sw in product(s2_tiles, (True, False))]
     s2 += [replace(base, stage2=kc(c), stage2_block_m=None) for c in s2_tiles]
     s2 = [replace(c, stage2=_fit_k(c.stage2, inter)) for c in s2]
-    s2 += [replace(base, stage2=ws_kc(WS_S2[0]), stage2_block_m=None)]
     s1 = [c for c in s1 if valid(c, hidden, inter)]
     s2 = list(dict.fromkeys(c for c in s2 if valid(c, hidden, inter)))
-    out = {("aligned", bm): (s1, s2, base if valid(base, hidden, inter) else s1[0])} if s1 and s2 else {}
-    return out | _ws_candidates(base, hidden, inter, n)
-
-
-def _ws_candidates(base: MoEConfig, hidden: int, inter: int, n: int | None) -> dict:
-    """The warp-specialised stage 1 on base's row blocks (the group "ws"): WS_S1 x the first stage 2, the
-    first WS_S1 x the stage 2s that fit: WS_S2 and the first many-tile aligned one on the same blocks (TP8,
-    TP16), then base's own (EP16's I = 3072 fits neither)."""
-    if base.block_m not in WS_BLOCK_MS:
-        return {}
-    ws = replace(base, stage1=ws_kc(WS_S1[0]), stage2_block_m=None)
-    s2 = [replace(ws, stage2=ws_kc(t)) for t in WS_S2[:n]] + [replace(ws, stage2=_fit_k(kc(TAIL_S2_TILES[0]), inter)),
-                                                               replace(ws, stage2=base.stage2,
-                                                                       stage2_block_m=base.stage2_block_m)]
-    s2 = [c for c in s2 if valid(c, hidden, inter)]
-    if not s2:
-        return {}
-    s1 = [c for c in (replace(s2[0], stage1=ws_kc(t)) for t in WS_S1[:n]) if valid(c, hidden, inter)]
-    return {("ws", base.block_m): (s1, s2, s1[0])} if s1 else {}
+    return {("aligned", bm): (s1, s2, base if valid(base, hidden, inter) else s1[0])} if s1 and s2 else {}
