@@ -12,7 +12,8 @@ every token count:
     tier = the smallest tuned tier >= T, or the largest tier when T exceeds all
 
 so a tuned shape never falls to the heuristic at some token count (a token count between
-two tiers, or above the last, once served an untuned config). Shapes or devices without an entry get `heuristic_config`,
+two tiers, or above the last, once served an untuned config). A device without a table of its own
+takes its arch's (`packaged_key`). Shapes or devices without an entry get `heuristic_config`,
 which is valid for every T too. Plain Python: importing this needs no triton.
 """
 from __future__ import annotations
