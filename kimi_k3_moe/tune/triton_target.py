@@ -117,9 +117,8 @@ class TritonTarget:
 
     def packaged(self, tier: int) -> dict:
         s = self.shape
-        key = tt.packaged_key(self.identity["key"], self.identity.get("arch"))
-        found = tt.lookup(key or self.identity["key"], self.weight_format, s.held_experts, s.hidden, s.inter, tier,
-                          is_cuda=self.is_cuda, table=(key and tt.load_table(key)) or {})
+        found = tt.lookup(self.identity["key"], self.weight_format, s.held_experts, s.hidden, s.inter, tier,
+                          is_cuda=self.is_cuda, arch=self.identity.get("arch"), user_table=False)
         return {"config": found.config.to_json(), "source": found.source}
 
     def entries(self, chosen: dict) -> tuple[str, dict]:

@@ -37,6 +37,8 @@ def test_a_valid_table_serves_its_exact_shape_only(tables):
     assert found.source == f"user table {path} mxfp4/E{E}_N{2 * I}_K{H} tier 4" and found.config.block_m == 32
     other = tt.lookup("interpreter", "mxfp4", E + 8, H, I, 3, is_cuda=False)  # another expert count
     assert not other.source.startswith("user table")
+    # the tuner's baseline: what the package serves without the user's table
+    assert tt.lookup("interpreter", "mxfp4", E, H, I, 3, is_cuda=False, user_table=False).source == "heuristic"
     assert user_tables.describe(tt.USER_TABLE).startswith(f"user table {path}")
 
 

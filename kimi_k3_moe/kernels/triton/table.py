@@ -401,13 +401,13 @@ Verify = Callable[[MoEConfig, str, int, int, int, int], "str | None"]
 
 def lookup(dev_key: str, weight_format: str, num_experts: int, hidden: int, inter: int, num_tokens: int,
            *, is_cuda: bool, table: dict | None = None, triton: str | None = None,
-           verify: Verify | None = None, arch: str | None = None) -> Lookup:
+           verify: Verify | None = None, arch: str | None = None, user_table: bool = True) -> Lookup:
     """The config for `num_tokens` tokens; valid for every num_tokens >= 0. `triton`: the running
     Triton's major.minor (default: this process's). Without `table`, the device's packaged table or
-    its `arch`'s (packaged_key)."""
+    its `arch`'s (packaged_key); `user_table=False` leaves out the user's (what the package alone serves)."""
     running = triton_version() if triton is None else triton
     # a valid user table (kimi-k3-moe tune, under this Triton) for exactly this device and shape comes first
-    user = _user_entry(dev_key, weight_format, num_experts, 2 * inter, hidden) if table is None else None
+    user = _user_entry(dev_key, weight_format, num_experts, 2 * inter, hidden) if table is None and user_table else None
     version = running
     if user is not None:
         found, origin = user
