@@ -387,11 +387,11 @@ def stage1_aligned_kernel(
 
 
 @triton.jit
-def _stage2_tile(main, tail, xs, xts, expert, stride_wn, stride_sn: tl.constexpr, n0, y_ptr, stride_ym, topk_w_ptr,
+def _stage2_tile(main, tail, xs, xts, gw, gw_t, expert, stride_wn, stride_sn: tl.constexpr, n0, y_ptr, stride_ym,
                  hidden, inter_size: tl.constexpr, cfg, UNROLL_K: tl.constexpr):
     """One tile of y starting at column n0 (BLOCK_M main rows, TAIL_M tail rows on the same decoded
     weights): the K loop and the store. main, tail: RowTile; xs, xts: their K steps when already
-    loaded; expert: Expert; cfg: TileConfig (_details/groups.py)."""
+    loaded; gw, gw_t: their router weights; expert: Expert; cfg: TileConfig (_details/groups.py)."""
     offs_n = n0 + tl.arange(0, cfg.BLOCK_N)
     mask_n = (offs_n < hidden)[:, None]
     w_rows = expert.w + expert.w_base + offs_n[:, None].to(tl.int64) * stride_wn
@@ -423,18 +423,18 @@ def _stage2_tile(main, tail, xs, xts, expert, stride_wn, stride_sn: tl.constexpr
             acc = _dot_step(acc, x, ws, cfg)
             if cfg.TAIL_M > 0:
                 acc_t = _dot_step(acc_t, xt, ws, cfg)
-    _store_y(acc, main, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, cfg.SWAP)
+    _store_y(acc, main, gw, y_ptr, stride_ym, offs_n, hidden, cfg.SWAP)
     if cfg.TAIL_M > 0:
-        _store_y(acc_t, tail, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, cfg.SWAP)
+        _store_y(acc_t, tail, gw_t, y_ptr, stride_ym, offs_n, hidden, cfg.SWAP)
 
 
 @triton.jit
-def _store_y(acc, tile, topk_w_ptr, y_ptr, stride_ym, offs_n, hidden, SWAP: tl.constexpr):
-    """Stage 2's epilogue on one RowTile: scaled by the router weight, stored per pair (real rows only)."""
+def _store_y(acc, tile, gw, y_ptr, stride_ym, offs_n, hidden, SWAP: tl.constexpr):
+    """Stage 2's epilogue on one RowTile: scaled by its router weights `gw` (fp32, per row), stored per
+    pair (real rows only)."""
     if SWAP:
         acc = tl.trans(acc)
-    gate = tl.load(topk_w_ptr + tile.pair, mask=tile.ok, other=0.0).to(tl.float32)
-    acc = acc * gate[:, None]
+    acc = acc * gw[:, None]
     out = y_ptr + tile.pair[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(out, cast_to(acc, y_ptr.dtype.element_ty), mask=tile.ok[:, None] & (offs_n < hidden)[None, :])
 
@@ -486,10 +486,16 @@ def stage2_aligned_kernel(
     tail = RowTile(at_rows, at_rows + tl.arange(0, BLOCK_K // 8)[None, :], at_rows + tl.arange(0, BLOCK_K)[None, :],
                    ka, row_ok_t, pair_t)
     expert = Expert(w_ptr, s_ptr, o_ptr, e * stride_we, e * stride_se)
+    # loaded once for all the program's tiles (each tile's epilogue had waited on loading them again)
+    gw = tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    if TAIL_M > 0:
+        gw_t = tl.load(topk_w_ptr + pair_t, mask=row_ok_t, other=0.0).to(tl.float32)
+    else:
+        gw_t = gw
     xs = ()
     xts = ()
     if N_TILES == 1:
-        _stage2_tile(main, tail, xs, xts, expert, stride_wn, stride_sn, pid_g * BLOCK_N, y_ptr, stride_ym, topk_w_ptr,
+        _stage2_tile(main, tail, xs, xts, gw, gw_t, expert, stride_wn, stride_sn, pid_g * BLOCK_N, y_ptr, stride_ym,
                      hidden, inter_size, cfg, False)
     else:
         # the block's activations, all of K, loaded once for its N tiles
@@ -499,8 +505,8 @@ def stage2_aligned_kernel(
                 if TAIL_M > 0:
                     xts = xts + _load_x_pairs(tail, k0, ORDER == ORDER_PLAIN_INTER)
         for t in range(0, N_TILES):
-            _stage2_tile(main, tail, xs, xts, expert, stride_wn, stride_sn, (pid_g * N_TILES + t) * BLOCK_N, y_ptr,
-                         stride_ym, topk_w_ptr, hidden, inter_size, cfg, True)
+            _stage2_tile(main, tail, xs, xts, gw, gw_t, expert, stride_wn, stride_sn, (pid_g * N_TILES + t) * BLOCK_N,
+                         y_ptr, stride_ym, hidden, inter_size, cfg, True)
 
 
 @triton.jit
