@@ -254,6 +254,11 @@ def packaged_key(dev_key: str, arch: str | None) -> str | None:
     return dev_key if table_path(dev_key).is_file() else ARCH_TABLES.get(arch)
 
 
+def _arch_note(served: str, dev_key: str, arch: str | None, who: str) -> str:
+    """What a source line adds when `served` is not the device's own table but its arch's."""
+    return "" if served == dev_key else f" (the {arch} table; none for {who})"
+
+
 @lru_cache(maxsize=None)
 def load_table(dev_key: str) -> dict | None:
     path = table_path(dev_key)
@@ -339,7 +344,7 @@ def describe_packaged(identity: dict) -> str:
     if key is None:
         return f"none for {identity['name']}: the heuristic serves"
     table = load_table(key)
-    which = key if key == identity["key"] else f"{key} (the {identity['arch']} table; none for {identity['name']})"
+    which = key + _arch_note(key, identity["key"], identity.get("arch"), identity["name"])
     running = identity.get("triton") or triton_version()
     versions = versions_nearest_first(table, running)
     if running in table["tritons"]:
@@ -419,7 +424,7 @@ def lookup(dev_key: str, weight_format: str, num_experts: int, hidden: int, inte
         hit = None if table is None else find_versioned(table, running, weight_format, num_experts, 2 * inter, hidden)
         found = None if hit is None else hit[1:]
         version = running if hit is None else hit[0]
-        origin = f"table {served} triton {version}" + ("" if served == dev_key else f" (the {arch} table; none for {dev_key})")
+        origin = f"table {served} triton {version}" + _arch_note(served, dev_key, arch, dev_key)
     if found is None:
         return Lookup(heuristic_config(hidden, inter, num_tokens, is_cuda=is_cuda), "heuristic")
     key, entry = found
