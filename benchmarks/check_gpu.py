@@ -342,7 +342,7 @@ def alignment_checks(chk, dev, gen, e, topk, tokens, emap, replays: int = 30) ->
     """The alignment alone (both block sizes of a split stage 2), eager and as a graph replayed over
     fresh uniform and skewed routing, against a PyTorch count of every expert's rows; above 256 pairs
     its counters must be zero again after every run (they persist between forwards)."""
-    from kimi_k3_moe.kernels.triton import alignment
+    from kimi_k3_moe.kernels.common import alignment
     routed = e if emap is None else emap.numel()
     for t in tokens:
         for skew in (0.0, 2.0):

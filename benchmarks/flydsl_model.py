@@ -193,8 +193,8 @@ def glue_ops(arch: str, tokens: int, reduce: str = "auto") -> list[tuple[str, in
     from torch.utils._python_dispatch import TorchDispatchMode
     from kimi_k3_moe.kernels.flydsl import pipeline
     from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU
-    from kimi_k3_moe.kernels.triton import launch as triton_launch
-    from kimi_k3_moe.kernels.triton.alignment import counters
+    from kimi_k3_moe.kernels.common import launch as glue_launch
+    from kimi_k3_moe.kernels.common.alignment import counters
 
     class Experts:   # what moe_forward reads of a prepared layer
         weight_format, has_offsets, num_experts, intermediate_size, hidden_size = FORMAT[arch], False, E, I, H
@@ -224,14 +224,14 @@ def glue_ops(arch: str, tokens: int, reduce: str = "auto") -> list[tuple[str, in
     weights = torch.empty(tokens, TOP_K, device="meta")
     ids = torch.empty(tokens, TOP_K, dtype=torch.int32, device="meta")
     counters(torch.device("meta"), E)   # allocated once per process, not per forward
-    run = triton_launch.Launch.__call__
-    triton_launch.Launch.__call__ = lambda launch: ops.append((launch.label, size(list(launch.args.values()))))
+    run = glue_launch.Launch.__call__
+    glue_launch.Launch.__call__ = lambda launch: ops.append((launch.label, size(list(launch.args.values()))))
     try:
         with Record():
             pipeline.moe_forward(Experts(), hidden, weights, ids, K3_SITU, None, arch=arch,
                                  launch=lambda cfg, args: None, reduce=reduce)
     finally:
-        triton_launch.Launch.__call__ = run
+        glue_launch.Launch.__call__ = run
     return ops
 
 

@@ -33,7 +33,7 @@ def local_slots(
     than wrapping around to the map's last entry. So does an id at or past the
     map's length (without a map: past `num_experts`, when given) and a map entry
     outside [0, num_experts): the rule the Triton kernels apply
-    (kernels/triton/_details/expert_ids.py), so that no id value can index
+    (kernels/common/_details/expert_ids.py), so that no id value can index
     outside the experts, here or there, and both compute the same sum.
     """
     ids = topk_ids.long()

@@ -131,9 +131,9 @@ class LaunchRecorder:
     glue through Launch.__call__."""
 
     def __init__(self, monkeypatch):
-        from kimi_k3_moe.kernels.triton import launch as triton_launch
+        from kimi_k3_moe.kernels.common import launch as glue_launch
         self.labels = []
-        monkeypatch.setattr(triton_launch.Launch, "__call__", lambda launch: self.labels.append(launch.label))
+        monkeypatch.setattr(glue_launch.Launch, "__call__", lambda launch: self.labels.append(launch.label))
 
     def flydsl(self, cfg, args):
         self.labels.append(cfg.name)

@@ -9,7 +9,7 @@ from moe_helpers import SITU
 from kimi_k3_moe import settings
 from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.kernels import get_backend
-from kimi_k3_moe.kernels.triton import alignment
+from kimi_k3_moe.kernels.common import alignment
 from kimi_k3_moe.weights.requant import requantize_experts
 
 DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, order=KOrder.STACKED),

@@ -9,7 +9,7 @@ import triton.language as tl
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.triton import layout
 from kimi_k3_moe.kernels.triton._details.decode import pair_order
-from kimi_k3_moe.kernels.triton import alignment
+from kimi_k3_moe.kernels.common import alignment
 from kimi_k3_moe.kernels.triton.probe import decode_rows
 
 import triton_problems as _data

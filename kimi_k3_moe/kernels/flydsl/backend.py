@@ -25,7 +25,7 @@ from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.config import BETA_MODES, REDUCTIONS, KernelConfig, QuantConfig, check_arch
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
-from kimi_k3_moe.kernels.triton import alignment
+from kimi_k3_moe.kernels.common import alignment
 from kimi_k3_moe.platform import detect_platform, for_arch, is_rocm
 
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")

@@ -29,8 +29,9 @@ from kimi_k3_moe.kernels.flydsl import tiles
 from kimi_k3_moe.kernels.flydsl import layout
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig, runtime_betas
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
-from kimi_k3_moe.kernels.triton.alignment import align_launches, direct_pairs
-from kimi_k3_moe.kernels.triton.stage2 import cast_copy, topk_reduce, zero_fill
+from kimi_k3_moe.kernels.common.alignment import align_launches, direct_pairs
+from kimi_k3_moe.kernels.common.elementwise import cast_copy, zero_fill
+from kimi_k3_moe.kernels.common.topk_sum import topk_reduce
 from kimi_k3_moe.reference import check_routing
 
 Launch = Callable[[KernelConfig | QuantConfig, tuple], None]

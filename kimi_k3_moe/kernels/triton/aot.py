@@ -19,7 +19,7 @@ import torch
 from kimi_k3_moe import platform
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.triton.table import MoEConfig
-from kimi_k3_moe.kernels.triton.launch import Launch
+from kimi_k3_moe.kernels.common.launch import Launch
 from kimi_k3_moe.experts import INT4, MXFP4
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 

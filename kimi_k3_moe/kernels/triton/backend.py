@@ -21,7 +21,8 @@ import torch
 
 from kimi_k3_moe.act_quant import BF16, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.triton import alignment, table as triton_table
+from kimi_k3_moe.kernels.common import alignment
+from kimi_k3_moe.kernels.triton import table as triton_table
 from kimi_k3_moe.kernels.triton.table import Lookup, MoEConfig
 from kimi_k3_moe.experts import MXFP4, WeightFormat
 from kimi_k3_moe.formats import int4
@@ -186,7 +187,7 @@ class TritonBackend(MoEBackend):
 @lru_cache(maxsize=1)
 def triton_has_pdl() -> bool:
     """Whether this Triton launches programmatic dependents (3.4+: launch_pdl, griddepcontrol)."""
-    from kimi_k3_moe.kernels.triton._details import pdl
+    from kimi_k3_moe.kernels.common._details import pdl
     return pdl.AVAILABLE
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.kernels.triton import layout
-from kimi_k3_moe.kernels.triton.launch import cdiv
+from kimi_k3_moe.kernels.common.launch import cdiv
 from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code
 from kimi_k3_moe.experts import MXFP4
 

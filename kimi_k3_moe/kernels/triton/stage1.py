@@ -13,9 +13,9 @@ from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
 from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_pairs_kernel, permute_words_kernel
-from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
+from kimi_k3_moe.kernels.common.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.korder import stage1_args
-from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
+from kimi_k3_moe.kernels.common.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code
 

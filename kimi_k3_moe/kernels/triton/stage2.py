@@ -6,15 +6,13 @@ import torch
 
 from kimi_k3_moe.kernels.triton.table import KernelConfig
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage2_gemv_kernel
-from kimi_k3_moe.kernels.triton._details.elementwise_kernels import cast_kernel, zero_kernel
-from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_kernel, topk_reduce_kernel
-from kimi_k3_moe.kernels.triton.alignment import AlignedPairs
+from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_kernel
+from kimi_k3_moe.kernels.common.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.korder import stage2_args
-from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
+from kimi_k3_moe.kernels.common.launch import Launch, cdiv, next_pow2
+from kimi_k3_moe.kernels.common.topk_sum import topk_reduce
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.stage1 import row_tile_args, weight_args
-
-REDUCE_BLOCK = 512
 
 
 def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPairs,
@@ -37,38 +35,6 @@ def _row_block_args(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedP
                    sorted_ptr=pairs.sorted_pairs, block_expert_ptr=pairs.block_expert, num_rows_ptr=pairs.num_rows,
                    num_pairs=pairs.num_pairs, hidden=experts.hidden_size, inter_size=experts.intermediate_size,
                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, N_TILES=cfg.n_tiles, PDL=False)
-
-
-def topk_reduce(y: torch.Tensor, pairs: AlignedPairs, out: torch.Tensor, topk: int) -> Launch:
-    """out[t] = the sum of y over t's top-k slots, in slot order, fp32 (absent slots add nothing)."""
-    hidden = y.shape[1]
-    block = min(REDUCE_BLOCK, next_pow2(hidden))
-    emap = pairs.expert_map if pairs.direct else None  # aligned pairs' `local` has it applied
-    return Launch(topk_reduce_kernel, (out.shape[0], cdiv(hidden, block)), dict(
-        y_ptr=y, stride_ym=y.stride(0), local_ptr=pairs.local, map_ptr=pairs.local if emap is None else emap,
-        out_ptr=out, stride_om=out.stride(0), hidden=hidden, TOPK=topk, HAS_MAP=emap is not None,
-        num_ids=pairs.num_ids if pairs.direct else pairs.num_experts, num_local=pairs.num_experts,
-        BLOCK_N=block, PDL=False), 4, 1, "stage2.reduce")
-
-
-ELEMENTWISE_BLOCK = 1024
-
-
-def zero_fill(buf: torch.Tensor) -> Launch:
-    """buf (contiguous) = 0: the fp32 accumulator an atomic stage 2 adds into."""
-    n = buf.numel()
-    return Launch(zero_kernel, (cdiv(n, ELEMENTWISE_BLOCK),), dict(ptr=buf, n=n, BLOCK=ELEMENTWISE_BLOCK),
-                  4, 1, "stage2.zero")
-
-
-def cast_copy(src: torch.Tensor, out: torch.Tensor) -> Launch:
-    """out = src in out's dtype, element by element (both contiguous, same element count)."""
-    if src.numel() != out.numel() or not (src.is_contiguous() and out.is_contiguous()):
-        raise ValueError(f"cast_copy: {tuple(src.shape)} -> {tuple(out.shape)} needs two contiguous tensors "
-                         "of one element count")
-    n = src.numel()
-    return Launch(cast_kernel, (cdiv(n, ELEMENTWISE_BLOCK),), dict(src_ptr=src, dst_ptr=out, n=n,
-                                                                    BLOCK=ELEMENTWISE_BLOCK), 4, 1, "stage2.cast")
 
 
 def gemv_block_k(cfg: KernelConfig, topk: int, inter_size: int, expert_map: torch.Tensor | None) -> int:

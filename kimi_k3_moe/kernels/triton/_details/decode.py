@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kimi_k3_moe.kernels.triton._details import constants as C
-from kimi_k3_moe.kernels.triton._details.numerics import to_bf16
+from kimi_k3_moe.kernels.common._details.numerics import to_bf16
 
 
 # globals read inside @jit functions must be constexpr

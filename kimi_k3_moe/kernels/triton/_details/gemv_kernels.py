@@ -18,10 +18,10 @@ import triton.language as tl
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, decode_weight_raw,
                                                         load_weight_raw)
-from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
+from kimi_k3_moe.kernels.common._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.triton._details.groups import ExpertWeights, SlotRouting, WeightCode, WeightTile
-from kimi_k3_moe.kernels.triton._details.numerics import cast_to
-from kimi_k3_moe.kernels.triton._details.pdl import let_next_start, wait_for_previous
+from kimi_k3_moe.kernels.common._details.numerics import cast_to
+from kimi_k3_moe.kernels.common._details.pdl import let_next_start, wait_for_previous
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
 
@@ -79,7 +79,7 @@ def stage1_gemv_kernel(
 
     x is in word order of BLOCK_K tiles; inter is written in word order of OUT_BLOCK_K
     tiles (stage 2's), or in plain order when OUT_BLOCK_K is 0. WEIGHTS: _details/constants.py. PDL:
-    see _details/pdl.py; the first weights are requested before the wait (_fma_k_loop)."""
+    see common/_details/pdl.py; the first weights are requested before the wait (_fma_k_loop)."""
     let_next_start(PDL)
     code: tl.constexpr = WeightCode(WEIGHT_FMT[WEIGHTS], WEIGHT_OFFSETS[WEIGHTS], WEIGHT_DECODE[WEIGHTS])
     pair = tl.program_id(0)
@@ -128,7 +128,7 @@ def stage2_gemv_kernel(
     inter is in word order of BLOCK_K tiles. Without an expert map one tile holds every slot of the
     token (rows = SLOTS x BLOCK_N, SLOTS = TOPK rounded up to a power of two), so all of the token's
     experts stream at once; with one (HAS_MAP), the local slots are taken one at a time.
-    WEIGHTS: _details/constants.py. PDL: see _details/pdl.py; the first weights are requested before
+    WEIGHTS: _details/constants.py. PDL: see common/_details/pdl.py; the first weights are requested before
     the wait (_fma_k_loop).
     """
     let_next_start(PDL)

@@ -27,11 +27,11 @@ from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, load_weight_pairs,
                                                         load_weight_tile, load_weight_words, pair_order,
                                                         to_pair_order, word_k_offsets)
-from kimi_k3_moe.kernels.triton._details.numerics import cast_to, dot_operand
-from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
+from kimi_k3_moe.kernels.common._details.numerics import cast_to, dot_operand
+from kimi_k3_moe.kernels.common._details.expert_ids import local_expert_at
 from kimi_k3_moe.kernels.triton._details.groups import (Expert, Routing, RowTile, TileConfig, WeightCode,
                                                         WeightTile)
-from kimi_k3_moe.kernels.triton._details.pdl import enter
+from kimi_k3_moe.kernels.common._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
 # ORDER / OUT_ORDER (kernels/triton/korder.py): the K step helpers below take words, interleave, or any
@@ -261,12 +261,6 @@ def _direct_tile(pid_m, num_pairs, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _local_expert(ids_ptr, map_ptr, i, num_ids, num_local, HAS_MAP: tl.constexpr):
-    """The local expert of pair i (topk_ids through expert_map; -1: not on this rank, or out of range)."""
-    return local_expert(tl.load(ids_ptr + i), map_ptr, num_ids, num_local, HAS_MAP)
-
-
-@triton.jit
 def _row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH: tl.constexpr, BLOCK_M: tl.constexpr,
                TAIL_M: tl.constexpr):
     """Row block pid_m of a Routing (_details/groups.py): (whether it holds rows, its expert (int64), the
@@ -275,7 +269,7 @@ def _row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH: tl.constexpr
     through the expert map with PATH_DIRECT_MAP; it holds rows when that expert is on this rank."""
     if PATH != PATH_ALIGNED:
         tl.static_assert(TAIL_M == 0, "a direct block is one pair")
-        e = _local_expert(routing.block_expert, routing.map, pid_m, num_ids, num_local, PATH == PATH_DIRECT_MAP)
+        e = local_expert_at(routing.block_expert, routing.map, pid_m, num_ids, num_local, PATH == PATH_DIRECT_MAP)
         live = e >= 0
         pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
         pair_t, row_ok_t = pair, row_ok
@@ -330,7 +324,7 @@ def stage1_aligned_kernel(
     order of BLOCK_K tiles and eight dots per step. inter goes out as stage 2 reads it
     (korder.stage1_args): OUT_ORDER ORDER_PAIRS in pair order, ORDER_INTERLEAVE plain, else in word
     order of OUT_ORDER-wide tiles (what stage 2's word dots read). Padded rows are not stored.
-    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: _details/pdl.py."""
+    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: common/_details/pdl.py."""
     enter(PDL)
     TAIL_M: tl.constexpr = BLOCK_ROWS & -BLOCK_ROWS if BLOCK_ROWS & (BLOCK_ROWS - 1) else 0  # module docstring
     BLOCK_M: tl.constexpr = BLOCK_ROWS - TAIL_M
@@ -462,7 +456,7 @@ def stage2_aligned_kernel(
     ORDER as stage 1's (words, interleave, pairs: one dot per K step on inter in pair order), or
     ORDER_PLAIN_INTER (N_TILES > 1): pair order with inter read in plain order and swapped into pair
     order in registers as it is loaded. Padded rows (never stored by stage 1) are not loaded.
-    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: _details/pdl.py."""
+    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: common/_details/pdl.py."""
     enter(PDL)
     tl.static_assert(ORDER != ORDER_STACKED, "stacked is stage 1's")
     TAIL_M: tl.constexpr = BLOCK_ROWS & -BLOCK_ROWS if BLOCK_ROWS & (BLOCK_ROWS - 1) else 0  # module docstring
@@ -507,20 +501,3 @@ def stage2_aligned_kernel(
         for t in range(0, N_TILES):
             _stage2_tile(main, tail, xs, xts, gw, gw_t, expert, stride_wn, stride_sn, (pid_g * N_TILES + t) * BLOCK_N,
                          y_ptr, stride_ym, hidden, inter_size, cfg, True)
-
-
-@triton.jit
-def topk_reduce_kernel(y_ptr, stride_ym, local_ptr, map_ptr, out_ptr, stride_om, hidden, num_ids, num_local,
-                       TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum over slots s (in slot order, fp32) of y[t*TOPK + s]; absent slots add nothing.
-    local: each pair's local expert (-1: not on this rank), or its global one through map (HAS_MAP)."""
-    enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs < hidden
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in tl.static_range(TOPK):
-        e = _local_expert(local_ptr, map_ptr, t * TOPK + s, num_ids, num_local, HAS_MAP)
-        v = tl.load(y_ptr + (t * TOPK + s) * stride_ym + offs, mask=mask & ((offs * 0 + e) >= 0), other=0.0)
-        acc += v.to(tl.float32)
-    tl.store(out_ptr + t * stride_om + offs, cast_to(acc, out_ptr.dtype.element_ty), mask=mask)

@@ -3,7 +3,7 @@ before stage 2 adds into it, then convert it to the output's dtype (no PyTorch o
 import triton
 import triton.language as tl
 
-from kimi_k3_moe.kernels.triton._details.numerics import cast_to
+from kimi_k3_moe.kernels.common._details.numerics import cast_to
 
 
 @triton.jit

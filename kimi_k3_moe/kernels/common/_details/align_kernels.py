@@ -23,8 +23,8 @@ some of whose rows no later kernel writes), so clearing them costs no launch.
 import triton
 import triton.language as tl
 
-from kimi_k3_moe.kernels.triton._details.expert_ids import local_expert
-from kimi_k3_moe.kernels.triton._details.pdl import enter
+from kimi_k3_moe.kernels.common._details.expert_ids import local_expert
+from kimi_k3_moe.kernels.common._details.pdl import enter
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_rows_b", "num_zero", "num_zero2"])

@@ -23,3 +23,9 @@ def local_expert(gid, map_ptr, num_ids, num_local, HAS_MAP: tl.constexpr):
         e = tl.load(map_ptr + e, mask=inside, other=-1).to(tl.int32)
         inside = inside & (e >= 0) & (e < num_local)
     return tl.where(inside, e, -1)
+
+
+@triton.jit
+def local_expert_at(ids_ptr, map_ptr, i, num_ids, num_local, HAS_MAP: tl.constexpr):
+    """The local expert of pair i (topk_ids through expert_map; -1: not on this rank, or out of range)."""
+    return local_expert(tl.load(ids_ptr + i), map_ptr, num_ids, num_local, HAS_MAP)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kimi_k3_moe.kernels.triton._details import align_kernels as K
-from kimi_k3_moe.kernels.triton.launch import Launch, cdiv, next_pow2
+from kimi_k3_moe.kernels.common._details import align_kernels as K
+from kimi_k3_moe.kernels.common.launch import Launch, cdiv, next_pow2
 
 BLOCK = 256
 # up to this many pairs (16 tokens at top-16) one program aligns them in one launch instead of two
