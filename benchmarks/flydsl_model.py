@@ -1,7 +1,7 @@
 """MODELLED speed of the FlyDSL MoE on MI355X (gfx950, MXFP4) and MI300X (gfx942, int4), beside aiter's kernels.
 
 Nothing here runs on AMD hardware. Every kernel of every token tier is compiled for its arch on
-this machine (one process per compile), its ISA is read by kimi_k3_moe.kernels.flydsl.isa_model
+this machine (one process per compile), its ISA is read by k3lab.flydsl.isa_model
 (one wave's critical path, occupancy rounds, HBM bytes over eta x peak, plus T0 per launch),
 and the model's three constants are fitted on aiter's published gfx950 stage timings at the
 K3 TP8 per-rank shape, with aiter's own kernels compiled the same way.
@@ -27,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kimi_k3_moe.kernels.flydsl import isa_model  # noqa: E402
-from kimi_k3_moe.kernels.flydsl.isa_model import Launch, Params  # noqa: E402
+from k3lab.flydsl import isa_model  # noqa: E402
+from k3lab.flydsl.isa_model import Launch, Params  # noqa: E402
 
 H, I, E, TOP_K = 3584, 384, 896, 16          # Kimi-K3 routed experts, per rank at TP8
 TIERS = (1, 4, 16, 64, 128, 256, 1024, 4096, 16384)
@@ -117,7 +117,7 @@ def peer_specs(arch: str, tokens: int) -> tuple[PeerSpec, PeerSpec]:
 
 def our_configs(arch: str, tokens: int, reduce: str = "auto"):
     from kimi_k3_moe.kernels.flydsl import tiles
-    from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU
+    from k3lab.flydsl.sweep import K3_SITU
     # as the forward picks them for the engines' routing: int32 ids, no expert map (direct tiers apply)
     return tiles.stage_configs(arch, FORMAT[arch], hidden=H, inter=I, top_k=TOP_K, num_tokens=tokens,
                                activation=K3_SITU, direct_experts=E, table=tiles.default_table(), reduce=reduce)
@@ -192,7 +192,7 @@ def glue_ops(arch: str, tokens: int, reduce: str = "auto") -> list[tuple[str, in
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from kimi_k3_moe.kernels.flydsl import pipeline
-    from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU
+    from k3lab.flydsl.sweep import K3_SITU
     from kimi_k3_moe.kernels.common import launch as glue_launch
     from kimi_k3_moe.kernels.common.alignment import counters
 

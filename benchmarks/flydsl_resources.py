@@ -88,16 +88,15 @@ def main(argv=None) -> int:
 
     if args.compile:
         from kimi_k3_moe.kernels.flydsl.build import compile_many
-        from kimi_k3_moe.kernels.flydsl.sweep import ci_configs
+        from k3lab.flydsl.artifacts import compile_summary
+        from k3lab.flydsl.sweep import ci_configs
         import time
         rocm = args.rocm or rocm_root()
         if rocm is None:
             parser.error("no ld.lld found: pass --rocm (python -m kimi_k3_moe.kernels.flydsl.toolchain --shim DIR)")
         t0 = time.perf_counter()
         results = compile_many(ci_configs(), args.out, rocm=rocm)
-        summary = {"wall_s": round(time.perf_counter() - t0, 1), "kernels": [
-            {"name": r.config.name, "status": r.status, "wall_s": round(r.wall_s, 2), "report": r.report,
-             "llvm_errors": r.llvm_errors} for r in results]}
+        summary = compile_summary(results, time.perf_counter() - t0)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     elif args.summary:

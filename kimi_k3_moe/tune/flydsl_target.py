@@ -7,7 +7,7 @@ and back). Each
 candidate's two kernels are compiled in a subprocess (an LLVM abort loses one
 config, not the run); a kernel that does not compile, or uses scratch
 (spills), is skipped. On an AMD GPU the candidates run there; without one the
-caller passes the CPU emulator as `launch` (and a fake clock to the loop),
+caller passes the CPU emulator (k3lab.flydsl.emulator) as `launch` (and a fake clock to the loop),
 which is how CI runs the whole loop against compile-only builds.
 """
 from __future__ import annotations

@@ -9,7 +9,9 @@
   routed_experts
   plugin_entrypoints, cli, ...        engine adapters and commands, on top
 
-docs/ARCHITECTURE.md draws the same picture.
+Inside kernels, kernels.common (the glue both GPU backends launch) imports no backend, and no backend
+imports another. The development package k3lab (emulator, ISA model, sweep, artifact reader) sits
+outside the package: nothing in kimi_k3_moe imports it. docs/ARCHITECTURE.md draws the same picture.
 """
 from __future__ import annotations
 
@@ -23,8 +25,14 @@ import kimi_k3_moe
 PACKAGE = Path(kimi_k3_moe.__file__).parent
 CORE = ("kimi_k3_moe.dispatch", "kimi_k3_moe.self_check", "kimi_k3_moe.loading", "kimi_k3_moe.routed_experts")
 ADAPTERS = ("kimi_k3_moe.plugin_entrypoints",)
+BACKENDS = ("kimi_k3_moe.kernels.triton", "kimi_k3_moe.kernels.flydsl", "kimi_k3_moe.kernels.torch")
+LAB = ("k3lab",)
 COMMANDS = ("kimi_k3_moe.cli", "kimi_k3_moe.doctor", "kimi_k3_moe.demo", "kimi_k3_moe.convert",
             "kimi_k3_moe.gsm8k", "kimi_k3_moe.bench", "kimi_k3_moe.tune")
+
+
+def under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def module_name(path: Path) -> str:
@@ -40,14 +48,10 @@ def imports_of(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
             found.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from pkg import module`
-    return {name for name in found if name == "kimi_k3_moe" or name.startswith("kimi_k3_moe.")}
+    return {name for name in found if under(name, ("kimi_k3_moe", *LAB))}
 
 
 MODULES = {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def under(name: str, prefixes) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def offending(importers, forbidden=(), allowed=None) -> list[str]:
@@ -74,9 +78,19 @@ def test_the_rules_catch_a_violation(monkeypatch):
         "kimi_k3_moe.experts.int4 imports kimi_k3_moe.platform"]
 
 
+def test_the_rules_catch_a_lab_import_and_a_borrowed_backend(monkeypatch):
+    monkeypatch.setitem(MODULES, "kimi_k3_moe.kernels.flydsl.build", {"k3lab.flydsl.artifacts"})
+    monkeypatch.setitem(MODULES, "kimi_k3_moe.kernels.flydsl.pipeline", {"kimi_k3_moe.kernels.triton.stage2"})
+    assert offending(("kimi_k3_moe",), forbidden=LAB) == [
+        "kimi_k3_moe.kernels.flydsl.build imports k3lab.flydsl.artifacts"]
+    assert offending(("kimi_k3_moe.kernels.flydsl",), forbidden=("kimi_k3_moe.kernels.triton",)) == [
+        "kimi_k3_moe.kernels.flydsl.pipeline imports kimi_k3_moe.kernels.triton.stage2"]
+
+
 def test_the_scan_sees_the_imports():
     assert "kimi_k3_moe.experts" in MODULES["kimi_k3_moe.weights.checkpoint"]
     assert "kimi_k3_moe.loading" in MODULES["kimi_k3_moe.routed_experts"]
+    assert "kimi_k3_moe.kernels.common.alignment" in MODULES["kimi_k3_moe.kernels.flydsl.pipeline"]
 
 
 @pytest.mark.parametrize("floor, allowed", [
@@ -107,3 +121,18 @@ def test_adapters_reach_kernels_only_through_the_core():
 
 def test_the_core_never_imports_an_adapter_or_a_command():
     assert offending(CORE, forbidden=(*ADAPTERS, *COMMANDS)) == []
+
+
+def test_the_shared_glue_imports_no_backend():
+    assert offending(("kimi_k3_moe.kernels.common",), forbidden=BACKENDS) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_backend_imports_another(backend):
+    assert offending((backend,), forbidden=tuple(b for b in BACKENDS if b != backend)) == []
+
+
+def test_the_serving_package_never_imports_the_lab():
+    """k3lab (emulator, ISA model, sweep, artifact reader) serves tests and benchmarks only and is not
+    in the wheel: a serving module importing it would fail on every user's install."""
+    assert offending(("kimi_k3_moe",), forbidden=LAB) == []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kimi_k3_moe.kernels.flydsl import isa_model as m
+from k3lab.flydsl import isa_model as m
 
 LOAD = "buffer_load_dword v1, v0, s[0:3], 0 offen"
 MFMA = "v_mfma_f32_16x16x32_bf16 v[0:3], v[4:7], v[8:11], v[0:3]"

@@ -38,8 +38,8 @@ def _setuptools_major() -> int:
 def test_a_built_wheel_installs_and_its_entry_points_load(tmp_path):
     # a copy: building in the checkout would leave build/ and an egg-info there
     src = tmp_path / "src"
-    shutil.copytree(CHECKOUT / "kimi_k3_moe", src / "kimi_k3_moe",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for package in ("kimi_k3_moe", "k3lab"):   # k3lab beside it, as in the checkout, to see it left out
+        shutil.copytree(CHECKOUT / package, src / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(CHECKOUT / name, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
@@ -51,7 +51,9 @@ def test_a_built_wheel_installs_and_its_entry_points_load(tmp_path):
     assert build.returncode == 0, build.stdout + build.stderr
     wheel, = (tmp_path / "dist").glob("kimi_k3_moe-*.whl")
     with zipfile.ZipFile(wheel) as z:
-        assert "kimi_k3_moe/configs/tables/triton_nvidia_h200.json" in z.namelist()  # package data
+        names = z.namelist()
+    assert "kimi_k3_moe/configs/tables/triton_nvidia_h200.json" in names  # package data
+    assert not [n for n in names if n.startswith("k3lab/")]               # the lab is development only
     target = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, timeout=300, capture_output=True)

@@ -41,7 +41,8 @@ from fly_helpers import SILU, SITU, random_layer, random_routing
 from kimi_k3_moe.act_quant import ActQuant
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import fp8, mxfp4
-from kimi_k3_moe.kernels.flydsl import emulator, layout, pipeline, tiles
+from k3lab.flydsl import emulator
+from kimi_k3_moe.kernels.flydsl import layout, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
 from kimi_k3_moe.reference import dense_moe, relative_l2

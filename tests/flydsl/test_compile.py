@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from fly_helpers import output_dir, toolchain_or_skip
-from kimi_k3_moe.kernels.flydsl import artifacts, isa_model
+from k3lab.flydsl import artifacts, isa_model
+from kimi_k3_moe.kernels.flydsl import code_object
 from kimi_k3_moe.kernels.flydsl.build import compile_many
-from kimi_k3_moe.kernels.flydsl.sweep import K3_SITU, OTHER_SITU, ci_configs
+from k3lab.flydsl.sweep import K3_SITU, OTHER_SITU, ci_configs
 
 CONFIGS = ci_configs()
 IDS = [c.name for c in CONFIGS]
@@ -35,9 +36,7 @@ def compiled(tmp_path_factory):
     t0 = time.perf_counter()
     results = compile_many(CONFIGS, out, rocm=rocm, jobs=2)
     wall = time.perf_counter() - t0
-    summary = {"wall_s": round(wall, 1), "kernels": [
-        {"name": r.config.name, "status": r.status, "wall_s": round(r.wall_s, 2), "report": r.report,
-         "llvm_errors": r.llvm_errors} for r in results]}
+    summary = artifacts.compile_summary(results, wall)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"compiled {len(results)} kernels in {wall:.1f} s into {out}")
     return {r.config.name: r for r in results}
@@ -64,6 +63,33 @@ def test_compiles_with_expected_mfma_and_no_scratch(compiled, cfg):
         assert isa["buffer_atomics"] == (["buffer_atomic_add_f32"] if cfg.reduce == "atomic" else [])
     else:                # activation quantization: integer and float arithmetic, stores, nothing else
         assert isa["v_exp_f32"] == 0 and not isa["buffer_atomics"] and isa["ds_bpermute"] == 0
+
+
+def _listed(isa: str, field: str) -> str | None:
+    """A kernel field as the ISA listing prints it in its .amdgpu_metadata block (YAML: a kernel's
+    fields indented 4, its arguments' deeper)."""
+    block = isa.split("\t.amdgpu_metadata", 1)[-1]
+    found = re.search(rf"^(?:|  - |    ){re.escape(field)}:\s+'?([^'\s]+)'?\s*$", block, re.M)
+    return found.group(1) if found else None
+
+
+def test_the_code_object_metadata_is_the_listings(compiled):
+    """code_object reads the metadata from the ELF's NT_AMDGPU_METADATA note (msgpack, pyelftools); the
+    assembler printed the same metadata as YAML in the ISA listing: every kernel field and the target
+    agree, on every kernel compiled for both archs."""
+    checked, wrong = set(), []
+    for name, result in compiled.items():
+        if not result.ok:
+            continue
+        meta, isa = result.report["metadata"], Path(result.report["isa_file"]).read_text()
+        for field in code_object.KERNEL_FIELDS:
+            if str(meta[field.lstrip(".")]) != _listed(isa, field):
+                wrong.append(f"{name} {field}: {meta[field.lstrip('.')]} vs {_listed(isa, field)}")
+        if meta["target"] != _listed(isa, "amdhsa.target"):
+            wrong.append(f"{name} target: {meta['target']} vs {_listed(isa, 'amdhsa.target')}")
+        checked.add(meta["target"].rsplit("-", 1)[-1])
+    assert not wrong, wrong[:8]
+    assert checked == {"gfx942", "gfx950"}
 
 
 INT4_VALU_PER_1K_MAX = 40

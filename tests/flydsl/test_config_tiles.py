@@ -12,7 +12,7 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.flydsl import tiles
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig, UnsupportedArchError
-from kimi_k3_moe.kernels.flydsl.sweep import K3_HIDDEN, K3_INTER_TP8, K3_TOP_K, ci_configs
+from k3lab.flydsl.sweep import K3_HIDDEN, K3_INTER_TP8, K3_TOP_K, ci_configs
 
 K3 = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
 

@@ -25,7 +25,8 @@ import torch
 
 from fly_helpers import SILU, SITU, random_layer, random_routing, with_offsets
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.flydsl import emulator, layout, pipeline, tiles
+from k3lab.flydsl import emulator
+from kimi_k3_moe.kernels.flydsl import layout, pipeline, tiles
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from kimi_k3_moe.dispatch import plan_backends
 from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import BackendUnavailable, get_backend
-from kimi_k3_moe.kernels.flydsl import emulator
+from k3lab.flydsl import emulator
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
@@ -22,11 +23,12 @@ from kimi_k3_moe.loading import prepare_for
 
 
 def test_importing_the_backend_does_not_import_flydsl():
-    code = ("import sys, kimi_k3_moe.kernels.flydsl.backend, kimi_k3_moe.kernels.flydsl.emulator, "
-            "kimi_k3_moe.kernels.flydsl.build, kimi_k3_moe.kernels.flydsl.sweep; "
+    code = ("import sys, kimi_k3_moe.kernels.flydsl.backend, k3lab.flydsl.emulator, "
+            "kimi_k3_moe.kernels.flydsl.build, k3lab.flydsl.sweep; "
             "from kimi_k3_moe.kernels import get_backend; b = get_backend('flydsl', arch='gfx942'); b.describe(); "
             "print(sorted(m for m in sys.modules if m == 'flydsl' or m.startswith('flydsl.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])   # k3lab sits at the repository root
     assert out.stdout.strip() == "[]"
 
 

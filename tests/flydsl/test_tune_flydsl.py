@@ -15,7 +15,8 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.bench.shapes import Shape
 from kimi_k3_moe.bench.timing import FakeClock
 from kimi_k3_moe.configs import user_tables
-from kimi_k3_moe.kernels.flydsl import emulator, tiles
+from k3lab.flydsl import emulator
+from kimi_k3_moe.kernels.flydsl import tiles
 from kimi_k3_moe.kernels.flydsl.tiles import Tier
 from kimi_k3_moe.tune.flydsl_target import FlyDSLTarget
 from kimi_k3_moe.tune.loop import FAILED, REJECTED, SKIPPED, TIMED, Candidate, tune

@@ -5,9 +5,11 @@ Compiled for gfx942 and gfx950; never run on AMD hardware here (docs/FLYDSL.md).
 Public modules: `config` (one kernel specialisation), `tiles` (tile table and
 lookup), `layout` (index and decode arithmetic shared by the kernels and the CPU
 emulator), `experts` (the prepared weights),
-`pipeline` (the forward pass around the kernels), `emulator` (CPU stand-in for
-the kernels), `build` / `toolchain` / `artifacts` / `sweep` (compiling and
-inspecting), `backend` (the MoEBackend). Kernel bodies live in `_details/`.
+`pipeline` (the forward pass around the kernels), `build` / `toolchain` /
+`code_object` (compiling, and what a compiled kernel holds), `backend` (the
+MoEBackend). Kernel bodies live in `_details/`; the alignment and the top-k sum
+around them in kernels/common/. The CPU emulator, the ISA reader and speed
+model, and the CI sweep are development tools: k3lab/flydsl/.
 Importing this package does not import flydsl.
 """
 from __future__ import annotations

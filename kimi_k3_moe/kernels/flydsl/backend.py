@@ -1,7 +1,7 @@
 """The "flydsl" backend: FlyDSL kernels on gfx942 (packed int4) and gfx950 (MXFP4).
 
 Evidence (README's ladder): compiled for gfx942 and gfx950 in CI, address logic
-played on the CPU by `emulator.py`; never run on AMD hardware here. The plugin
+played on the CPU by k3lab/flydsl/emulator.py; never run on AMD hardware here. The plugin
 runs the load-time self-check on these kernels first and falls back to Triton
 when they disagree with the reference. Importing this module does not import
 flydsl: compiling and launching do, when first needed.

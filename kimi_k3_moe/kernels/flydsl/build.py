@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimi_k3_moe.experts.format import INT4
-from kimi_k3_moe.kernels.flydsl import artifacts
+from kimi_k3_moe.kernels.flydsl import code_object
 from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
 from kimi_k3_moe.kernels.flydsl.toolchain import compile_env
 
@@ -107,7 +107,7 @@ def compile_here(cfg: KernelConfig | QuantConfig, out_dir: str | os.PathLike) ->
     artifact_key, artifact = launch._last_compiled
     elf = _hsaco_from_artifact(artifact)
     (out_dir / f"{cfg.name}.hsaco").write_bytes(elf)
-    kernels = artifacts.kernel_metadata(elf)
+    kernels = code_object.kernel_metadata(elf)
     if [k["name"] for k in kernels] != [cfg.name]:
         raise RuntimeError(f"code object holds kernels {[k['name'] for k in kernels]}, expected [{cfg.name!r}]")
     meta = kernels[0]
@@ -116,21 +116,12 @@ def compile_here(cfg: KernelConfig | QuantConfig, out_dir: str | os.PathLike) ->
         raise RuntimeError(f"no ISA dump for {cfg.name} under {os.environ['FLYDSL_DUMP_DIR']}")
     isa = isa_files[-1].read_text()
     (out_dir / f"{cfg.name}.s").write_text(isa)
-    stats = artifacts.isa_stats(isa)
-    if cfg.stage:
-        try:
-            stats["valu_per_1k_weights"] = round(artifacts.valu_per_1k_weights(isa, cfg), 1)
-        except ValueError:   # no single K loop (LLVM unrolled it): nothing to count per iteration
-            stats["valu_per_1k_weights"] = None
     report = {
         "name": cfg.name, "config": dataclasses.asdict(cfg), "compile_s": round(seconds, 2),
         "artifact_key": artifact_key, "disk_cache_key": _disk_cache_key(artifact_key),
-        "jit_name": launch.func.__name__, "hsaco_bytes": len(elf), "metadata": meta, "isa": stats,
+        "jit_name": launch.func.__name__, "hsaco_bytes": len(elf), "metadata": meta,
+        "isa": code_object.isa_stats(isa),
         "isa_file": str(out_dir / f"{cfg.name}.s"), "hsaco_file": str(out_dir / f"{cfg.name}.hsaco"),
-        "occupancy": artifacts.occupancy(cfg.arch, vgpr=meta["vgpr_count"], agpr=meta["agpr_count"],
-                                         accum_offset=stats["accum_offset"],
-                                         lds_bytes=meta["group_segment_fixed_size"],
-                                         waves_per_workgroup=cfg.workgroup_waves),
     }
     (out_dir / f"{cfg.name}.json").write_text(json.dumps(report, indent=1))
     return report

@@ -5,7 +5,7 @@ the activation quantizers, the three `ops` named there), so the
 same call works on
   * FlyDSL integers inside a kernel trace (the kernels in `_details/` call these
     functions to build their addresses and decode their weights),
-  * torch integer tensors on the CPU (`emulator.py` calls the very same
+  * torch integer tensors on the CPU (k3lab's `emulator.py` calls the same
     functions to gather, byte for byte, what each GPU lane would load),
   * plain Python ints (tests, config checks).
 No flydsl or torch import here on purpose. Operands stay non-negative wherever

@@ -12,10 +12,10 @@ synchronisation and no PyTorch arithmetic between them, so a forward is
 graph-capturable and its launches are exactly the kernels'. The FlyDSL stages go
 through `launch(config, args)` with exactly the arguments of the FlyDSL
 launchers: on an AMD GPU the compiled kernels (backend.py), on the CPU
-`emulator.launch`, lane by lane. The alignment and the top-k sum are Triton
-kernels (the engines' ROCm Triton compiles them; on the CPU they run under
-Triton's interpreter), so everything around the kernels is the same code in
-both cases.
+k3lab.flydsl.emulator's `launch`, lane by lane. The alignment and the top-k sum
+are the Triton kernels of kernels/common/, shared with the Triton backend (the
+engines' ROCm Triton compiles them; on the CPU they run under Triton's
+interpreter), so everything around the kernels is the same code in both cases.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ TARGETS = {
 
 def blocks_per_sm(target: str, registers: int, num_warps: int, shared: int) -> int | None:
     """How many blocks of a kernel one SM runs at once (None off NVIDIA: AMD's waves per SIMD
-    follow other rules, kernels/flydsl/artifacts.py). Two or more let one block's decode and
+    follow other rules, k3lab/flydsl/artifacts.py). Two or more let one block's decode and
     stores run beside another's MMAs; a large-batch stage 2 that holds one per SM on the H200 leaves
     its tensor cores idle during the decode."""
     lim = platform.SM_LIMITS.get(target)

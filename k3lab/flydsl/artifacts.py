@@ -1,15 +1,16 @@
-"""What a compiled FlyDSL kernel is made of: code object, AMDGPU metadata, ISA figures.
+"""What a compiled FlyDSL kernel's ISA shows, beyond the compile report: the K loop's shape (its
+waits, its loads, its VALU per weight), the top-k sum's memory ordering, the MFMAs a config must
+use, and the occupancy its registers and LDS allow (platform.LDS_PER_CU).
 
-Pure Python (no flydsl import): it reads the ELF code object FlyDSL produced,
-decodes its NT_AMDGPU_METADATA note (msgpack), counts instructions in the ISA
-text, and estimates occupancy from registers and LDS (platform.LDS_PER_CU). Used by the compile
-driver, the CI checks and the resource table in docs/PERF.md.
+Pure Python (no flydsl import). The compile report itself (code object metadata, instruction
+counts) is kimi_k3_moe/kernels/flydsl/code_object.py; `compile_summary` adds these figures to the
+reports of a sweep for the CI checks and the resource table in docs/PERF.md.
 """
 from __future__ import annotations
 
 import re
-import struct
 
+from kimi_k3_moe.kernels.flydsl.code_object import MFMA_RE
 from kimi_k3_moe.platform import LDS_PER_CU
 
 MAX_WAVES_PER_SIMD = 8
@@ -27,116 +28,6 @@ def expected_mfma(cfg) -> set[str]:
     if cfg.quantized:
         return {SCALED_MFMA}
     return {f"v_mfma_f32_{cfg.mfma}_bf16"}   # the arch's bf16 MFMA (config.MFMA)
-
-_MFMA_RE = re.compile(r"^\s*(v_mfma\w*|v_smfmac\w*)\s", re.M)
-_SCRATCH_RE = re.compile(r"^\s*scratch_(load|store)\w*\s", re.M)
-_INSTR_RE = re.compile(r"^\s*(s_|v_|buffer_|ds_|global_|flat_|scratch_)\w*", re.M)
-
-
-# --------------------------------------------------------------------- msgpack / ELF
-def _msgpack(buf: bytes, i: int = 0):
-    """Minimal msgpack decoder: enough for the AMDGPU metadata note."""
-    b = buf[i]
-    if b <= 0x7F:
-        return b, i + 1
-    if 0x80 <= b <= 0x8F:
-        return _mp_map(buf, i + 1, b & 0x0F)
-    if 0x90 <= b <= 0x9F:
-        return _mp_array(buf, i + 1, b & 0x0F)
-    if 0xA0 <= b <= 0xBF:
-        n = b & 0x1F
-        return buf[i + 1:i + 1 + n].decode(), i + 1 + n
-    if b >= 0xE0:
-        return b - 0x100, i + 1
-    if b in (0xC0, 0xC2, 0xC3):
-        return {0xC0: None, 0xC2: False, 0xC3: True}[b], i + 1
-    fixed = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i",
-             0xD3: ">q", 0xCA: ">f", 0xCB: ">d"}
-    if b in fixed:
-        return struct.unpack_from(fixed[b], buf, i + 1)[0], i + 1 + struct.calcsize(fixed[b])
-    sized = {0xD9: (">B", "str"), 0xDA: (">H", "str"), 0xDB: (">I", "str"),
-             0xC4: (">B", "bin"), 0xC5: (">H", "bin"), 0xC6: (">I", "bin"),
-             0xDC: (">H", "arr"), 0xDD: (">I", "arr"), 0xDE: (">H", "map"), 0xDF: (">I", "map")}
-    if b not in sized:
-        raise ValueError(f"msgpack type byte 0x{b:02x} at {i} is not handled")
-    weight_format, kind = sized[b]
-    n = struct.unpack_from(weight_format, buf, i + 1)[0]
-    o = i + 1 + struct.calcsize(weight_format)
-    if kind == "str":
-        return buf[o:o + n].decode(), o + n
-    if kind == "bin":
-        return bytes(buf[o:o + n]), o + n
-    return (_mp_array if kind == "arr" else _mp_map)(buf, o, n)
-
-
-def _mp_array(buf, i, n):
-    out = []
-    for _ in range(n):
-        v, i = _msgpack(buf, i)
-        out.append(v)
-    return out, i
-
-
-def _mp_map(buf, i, n):
-    out = {}
-    for _ in range(n):
-        k, i = _msgpack(buf, i)
-        out[k], i = _msgpack(buf, i)
-    return out, i
-
-
-def amdgpu_metadata(elf: bytes) -> dict:
-    """The decoded NT_AMDGPU_METADATA note (type 32, owner "AMDGPU") of a code object."""
-    if elf[:4] != b"\x7fELF" or elf[4] != 2:
-        raise ValueError("not an ELF64 code object")
-    e_shoff, = struct.unpack_from("<Q", elf, 0x28)
-    e_shentsize, e_shnum = struct.unpack_from("<HH", elf, 0x3A)
-    for s in range(e_shnum):
-        sh = e_shoff + s * e_shentsize
-        if struct.unpack_from("<I", elf, sh + 4)[0] != 7:   # SHT_NOTE
-            continue
-        off, size = struct.unpack_from("<QQ", elf, sh + 0x18)
-        p = off
-        while p < off + size:
-            namesz, descsz, ntype = struct.unpack_from("<III", elf, p)
-            name = elf[p + 12:p + 12 + namesz].rstrip(b"\0")
-            desc = p + 12 + ((namesz + 3) & ~3)
-            if name == b"AMDGPU" and ntype == 32:
-                return _msgpack(elf, desc)[0]
-            p = desc + ((descsz + 3) & ~3)
-    return {}
-
-
-KERNEL_FIELDS = (".name", ".vgpr_count", ".agpr_count", ".sgpr_count", ".vgpr_spill_count",
-                 ".sgpr_spill_count", ".group_segment_fixed_size", ".private_segment_fixed_size",
-                 ".max_flat_workgroup_size", ".kernarg_segment_size", ".wavefront_size")
-
-
-def kernel_metadata(elf: bytes) -> list[dict]:
-    meta = amdgpu_metadata(elf)
-    target = meta.get("amdhsa.target")
-    return [{**{f.lstrip("."): k.get(f) for f in KERNEL_FIELDS}, "target": target}
-            for k in meta.get("amdhsa.kernels", [])]
-
-
-# --------------------------------------------------------------------- ISA text
-def isa_stats(isa: str) -> dict:
-    mfma: dict[str, int] = {}
-    for m in _MFMA_RE.finditer(isa):
-        mfma[m.group(1)] = mfma.get(m.group(1), 0) + 1
-    accum = re.search(r"\.amdhsa_accum_offset\s+(\d+)", isa)
-    return {
-        "mfma": mfma,
-        "instructions": len(_INSTR_RE.findall(isa)),
-        "scratch_instructions": len(_SCRATCH_RE.findall(isa)),
-        "accum_offset": int(accum.group(1)) if accum else None,
-        "v_exp_f32": len(re.findall(r"^\s*v_exp_f32", isa, re.M)),
-        "v_rcp_f32": len(re.findall(r"^\s*v_rcp_f32", isa, re.M)),
-        "buffer_atomics": sorted(set(re.findall(r"^\s*(buffer_atomic_\w+)", isa, re.M))),
-        "ds_bpermute": len(re.findall(r"^\s*ds_bpermute_b32", isa, re.M)),
-        "scaled_mfma_formats": sorted(set(re.findall(r"^\s*v_mfma_scale\w*\s.*?((?:cbsz|blgp):\d.*)$", isa, re.M))),
-    }
-
 
 _LABEL_RE = re.compile(r"^(\.LBB\w+):", re.M)
 _GLOBAL_LOAD_RE = re.compile(r"^\s*(buffer_load|global_load)\w*\s")
@@ -238,7 +129,6 @@ def occupancy(arch: str, *, vgpr: int, agpr: int, accum_offset: int | None, lds_
 
 
 # --------------------------------------------------------------------- K-loop VALU per 1K weights
-_LABEL_RE = re.compile(r"^(\.LBB\w+):", re.M)
 _BRANCH_RE = re.compile(r"^\s*s_cbranch_\w+\s+(\.LBB\w+)", re.M)
 _VALU_RE = re.compile(r"^\s*(v_\w+)", re.M)
 
@@ -252,7 +142,7 @@ def k_loop_body(isa: str) -> str:
     labels = {m.group(1): m.end() for m in _LABEL_RE.finditer(isa)}
     loops = [isa[labels[m.group(1)]:m.start()] for m in _BRANCH_RE.finditer(isa)
              if m.group(1) in labels and labels[m.group(1)] < m.start()]
-    loops = [body for body in loops if _MFMA_RE.search(body)]
+    loops = [body for body in loops if MFMA_RE.search(body)]
     if len(loops) != 1:
         raise ValueError(f"expected one K loop with MFMAs in the ISA, found {len(loops)}")
     return loops[0]
@@ -275,3 +165,32 @@ def valu_per_1k_weights(isa: str, cfg) -> float:
     body = k_loop_body(isa)
     valu = [m for m in _VALU_RE.findall(body) if not m.startswith(("v_mfma", "v_smfmac"))]
     return len(valu) * 1024 / weights_per_iteration(cfg)
+
+
+# --------------------------------------------------------------------- a sweep's summary
+def with_resources(report: dict, cfg) -> dict:
+    """A compile report (build.compile_here) with the occupancy estimate and, for a GEMM stage,
+    the K loop's VALU per 1K weights (None when LLVM unrolled the loop away)."""
+    isa = open(report["isa_file"]).read()
+    meta = report["metadata"]
+    valu = {}
+    if cfg.stage:
+        try:
+            valu = {"valu_per_1k_weights": round(valu_per_1k_weights(isa, cfg), 1)}
+        except ValueError:   # no single K loop: nothing to count per iteration
+            valu = {"valu_per_1k_weights": None}
+    occ = occupancy(cfg.arch, vgpr=meta["vgpr_count"], agpr=meta["agpr_count"],
+                    accum_offset=report["isa"]["accum_offset"], lds_bytes=meta["group_segment_fixed_size"],
+                    waves_per_workgroup=cfg.workgroup_waves)
+    return {**report, "isa": {**report["isa"], **valu}, "occupancy": occ}
+
+
+def compile_summary(results, wall_s: float) -> dict:
+    """The summary.json of a compile sweep (build.compile_many's results, their reports given
+    `with_resources`): what benchmarks/flydsl_resources.py turns into docs/PERF.md's table."""
+    for r in results:
+        if r.report is not None:
+            r.report = with_resources(r.report, r.config)
+    return {"wall_s": round(wall_s, 1), "kernels": [
+        {"name": r.config.name, "status": r.status, "wall_s": round(r.wall_s, 2), "report": r.report,
+         "llvm_errors": r.llvm_errors} for r in results]}

@@ -20,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from kimi_k3_moe.kernels.flydsl import artifacts
+from k3lab.flydsl import artifacts
 
 # Issue cycles of one wave64 instruction on a 16-lane SIMD. MFMA: 16 cycles for the bf16
 # 16x16x32 (gfx950) and 16x16x16 (gfx942) forms, derived from AMD's published dense bf16
