@@ -9,6 +9,7 @@ reports of a sweep for the CI checks and the resource table in docs/PERF.md.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from kimi_k3_moe.kernels.flydsl.code_object import MFMA_RE
 from kimi_k3_moe.platform import LDS_PER_CU
@@ -171,7 +172,7 @@ def valu_per_1k_weights(isa: str, cfg) -> float:
 def with_resources(report: dict, cfg) -> dict:
     """A compile report (build.compile_here) with the occupancy estimate and, for a GEMM stage,
     the K loop's VALU per 1K weights (None when LLVM unrolled the loop away)."""
-    isa = open(report["isa_file"]).read()
+    isa = Path(report["isa_file"]).read_text()
     meta = report["metadata"]
     valu = {}
     if cfg.stage:
