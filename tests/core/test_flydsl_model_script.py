@@ -23,12 +23,45 @@ def test_weight_bytes_per_format():
     assert fm.weight_bytes("int4", 32, 32) == 32 * 16 + 32 * 2     # nibbles + one bf16 scale per 32
 
 
-def test_peer_tiles_follow_aiters_table():
-    s1, s2 = fm.peer_specs("gfx950", 1)
-    assert (s1.BM, s1.tile_n, s1.tile_k, s1.k_wave) == (16, 32, 256, 2)
-    s1, _ = fm.peer_specs("gfx950", 1024)
-    assert (s1.BM, s1.tile_n, s1.tile_k, s1.k_wave) == (32, 128, 128, 1)
-    assert fm.I % s2.tile_k == 0 and fm.H % s2.tile_n == 0
+def test_aiter_tiles_are_read_as_aiters_host_reads_its_table_names():
+    s1 = fm.PeerSpec.from_tile("gfx950", 1, "t32x32x256_w4_xcd4_kw2")
+    assert (s1.BM, s1.tile_n, s1.tile_k, s1.k_wave, s1.b_cache_mod, s1.xcd) == (32, 32, 256, 2, 2, 4)
+    s2 = fm.PeerSpec.from_tile("gfx950", 2, "t16x128x128_atomic_persist")    # stage 2: no _bnt means 0
+    assert (s2.BM, s2.tile_n, s2.tile_k, s2.k_wave, s2.b_cache_mod, s2.xcd) == (16, 128, 128, 1, 0, 0)
+    # waves per EU and persist are not passed to this kernel at run time: same kernel, same key
+    assert fm.PeerSpec.from_tile("gfx950", 1, "t32x128x128_w3_xcd4").key == \
+        fm.PeerSpec.from_tile("gfx950", 1, "t32x128x128_xcd4").key
+    for bad in ("t32x128", "t32x128x128_reduce", "t32x128x128_gui"):
+        with pytest.raises(ValueError, match="aiter tile"):
+            fm.PeerSpec.from_tile("gfx950", 2, bad)
+
+
+def test_aiters_rows_are_whole_and_their_tiles_fit_the_shape():
+    pre, retune = fm.aiter_rows.PRE_RETUNE, fm.aiter_rows.RETUNE_5118
+    assert [r[0] for r in pre] == [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert all(r[0] <= 512 for r in retune) and len(retune) == 11
+    # the published totals quoted in docs: pre-retune 26.77 / 103.28 / 338.34 / 407.48 / 3096.31 us
+    totals = {r[0]: r[2] + r[4] for r in pre}
+    assert [round(totals[t], 2) for t in (1, 16, 128, 1024, 16384)] == [26.77, 103.28, 338.34, 407.48, 3096.31]
+    for tokens, tile1, _, tile2, _ in pre + retune:
+        s1, s2 = fm.peer_pair(tile1, tile2)
+        assert s1.BM == s2.BM == (16 if (tokens, tile1) in [(r[0], r[1]) for r in retune] else 32)
+        assert fm.I % s1.tile_n == 0 and fm.H % s2.tile_n == 0 and fm.I % s2.tile_k == 0
+    specs = fm.all_peer_specs()
+    assert len(specs) == len({s.key for s in specs})
+    for measured in (fm.aiter_rows.NEWEST_A16W4, fm.aiter_rows.A8W4, fm.aiter_rows.A4W4, fm.aiter_rows.GFX942_A16W4):
+        assert set(measured) == set(fm.TIERS)
+
+
+def test_floors():
+    # 132.1 MFLOP a token; MI355X 16384 tokens at 2516 TFLOP/s: 860 us, MI300X 4096 at 1307: 414 us
+    assert fm.aiter_rows.FLOP_PER_TOKEN == pytest.approx(132.1e6, rel=1e-3)
+    assert fm.compute_floor_us("gfx950", 16384) == pytest.approx(860, rel=0.01)
+    assert fm.compute_floor_us("gfx942", 4096) == pytest.approx(414, rel=0.01)
+    # all 896 experts' int4 weights and bf16 scales at MI300X's 5.3 TB/s
+    every = fm.E * (fm.weight_bytes("int4", 2 * fm.I, fm.H) + fm.weight_bytes("int4", fm.H, fm.I))
+    assert fm.hbm_floor_us("gfx942", 16384) == pytest.approx(every / 5.3e12 * 1e6, rel=1e-6)
+    assert fm.hbm_floor_us("gfx950", 1) < fm.hbm_floor_us("gfx942", 1)
 
 
 @pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
@@ -47,3 +80,10 @@ def test_glue_launches_are_traced_without_memory(arch):
     atomic = fm.glue_ops(arch, 16384, "atomic")
     assert [name for name, _ in atomic][-2:] == ["stage2.zero", "stage2.cast"]
     assert dict(atomic)["stage2.cast"] == 16384 * fm.H * (4 + 2)
+
+
+def test_quantized_forward_adds_the_quantization_launch():
+    ops = fm.glue_ops("gfx950", 16, act_dtype="fp8")
+    assert [name for name, _ in ops] == ["align.small", "k3moe_q_gfx950_fp8_w4", "stage2.reduce"]
+    # it reads the bf16 rows and writes one byte a code and an e8m0 scale per 32
+    assert dict(ops)["k3moe_q_gfx950_fp8_w4"] >= 16 * fm.H * (2 + 1 + 1 / 32)
