@@ -97,13 +97,16 @@ def _terminate(signum, frame):
     raise Terminated(signum)
 
 
-def _catch_sigterm() -> None:
-    """SIGTERM as `Terminated`, where Python lets us (the main thread) and nobody set another handler."""
+def _catch_sigterm() -> bool:
+    """SIGTERM as `Terminated`, where Python lets us (the main thread) and nobody set another handler;
+    whether it did (main puts the default back on its way out)."""
     try:
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _terminate)
+            return True
     except ValueError:  # not the main thread (an embedding caller): leave signals alone
         pass
+    return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,9 +145,17 @@ def _user_error_line(exc: BaseException) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    caught = _catch_sigterm()
+    try:
+        return _main(argv)
+    finally:
+        if caught:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _main(argv: list[str] | None) -> int:
     from kimi_k3_moe.weights.checkpoint import one_line  # here: importing cli stays free of torch
 
-    _catch_sigterm()
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # argparse would report them as the top command's, without the subcommand's name
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -46,7 +46,7 @@ from kimi_k3_moe import __version__, io_errors, settings
 from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.platform import INT4_ARCHS
-from kimi_k3_moe.weights import manifest
+from kimi_k3_moe.weights import manifest, source
 from kimi_k3_moe.weights.checkpoint import CheckpointError, open_shard
 from kimi_k3_moe.weights.source import FINGERPRINT_RULE, source_fingerprint
 
@@ -160,6 +160,13 @@ class ConvertedCheckpoint:
         now = source_fingerprint(model_dir)
         then = self.record["source"]["fingerprint"]
         if now != then:
+            recorded = self.record["source"].get("identity")
+            identity = source.source_identity(model_dir)
+            if source.same_model(recorded, identity) is False:
+                raise ConvertedCheckpointError(
+                    f"converted checkpoint {self.path} holds a conversion of another model: "
+                    f"{self.record['source'].get('path')} ({source.summary(recorded)}), not {model_dir} "
+                    f"({source.summary(identity)}); convert this model into a folder of its own")
             if self.record["source"].get("fingerprint_rule") != FINGERPRINT_RULE:
                 raise ConvertedCheckpointError(
                     f"converted checkpoint {self.path} was fingerprinted by an older kimi-k3-moe rule, so it "
