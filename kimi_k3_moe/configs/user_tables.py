@@ -217,9 +217,7 @@ def clear_cache() -> None:
 # ---------------------------------------------------------------- writing
 def replace_file(path: Path, text: str) -> None:
     """Write `text` to a temporary beside `path`, then rename it over `path`: a reader never sees half a table."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    io_errors.write_text(path, text)  # a failure is one line naming the path and the cause
 
 
 def write(kind: TableKind, identity: dict, tiers: list[int], entries: dict, *, extra: dict | None = None,

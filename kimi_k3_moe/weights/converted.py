@@ -216,6 +216,13 @@ def open_converted(path: str | Path) -> ConvertedCheckpoint:
                       ("files", dict)):
         if not isinstance(record.get(key), kind):
             raise ConvertedCheckpointError(f"{record_path} has no {key!r} field of type {kind.__name__}")
+    for name, entry in record["files"].items():
+        fields = {"layer": int, "tp_rank": int, "size": int, "sha256": str, "sampled_digest": str, "source_digest": str}
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), t) for k, t in fields.items()):
+            raise ConvertedCheckpointError(f"{record_path}: the entry of file {name!r} is malformed (it needs "
+                                           + ", ".join(f"{k} ({t.__name__})" for k, t in fields.items()) + ")")
+    if not isinstance(record["source"].get("fingerprint"), str):
+        raise ConvertedCheckpointError(f"{record_path}: source has no fingerprint")
     if record["method"] not in int4.METHODS:
         raise ConvertedCheckpointError(f"{record_path}: unknown int4 method {record['method']!r}")
     return ConvertedCheckpoint(path, record)
