@@ -4,9 +4,9 @@ Every error a user can cause ends as one line on stderr,
 `kimi-k3-moe <command>: error: ...`, with exit status 2 (usage and data
 errors: bad arguments, settings, configs, checkpoints); `--debug` shows the
 traceback instead. Commands may return 1 for "ran, and the answer is no"
-(a failed check, a model that cannot be served). SIGINT and SIGTERM both
-reach a command as KeyboardInterrupt (`Terminated` for SIGTERM), so a job's
-cleanup (the GSM8K report's last save) runs for either; the exit status is
+(a failed check, a model that cannot be served). SIGINT, SIGTERM and SIGHUP
+all reach a command as KeyboardInterrupt (`Terminated` for the last two), so a
+job's cleanup (the GSM8K report's last save) runs for each; the exit status is
 128 + the signal's number.
 """
 from __future__ import annotations
@@ -81,7 +81,8 @@ def positive_float(text: str, maximum: float = FLOAT32_MAX) -> float:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a CI cancel, `timeout`, `docker stop`), delivered like Ctrl-C so the same cleanup runs."""
+    """SIGTERM (a CI cancel, `timeout`, `docker stop`) or SIGHUP (the terminal closed), delivered like
+    Ctrl-C so the same cleanup runs."""
 
     def __init__(self, signum: int):
         super().__init__(f"signal {signum}")
@@ -97,16 +98,21 @@ def _terminate(signum, frame):
     raise Terminated(signum)
 
 
-def _catch_sigterm() -> bool:
-    """SIGTERM as `Terminated`, where Python lets us (the main thread) and nobody set another handler;
-    whether it did (main puts the default back on its way out)."""
-    try:
-        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _terminate)
-            return True
-    except ValueError:  # not the main thread (an embedding caller): leave signals alone
-        pass
-    return False
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _catch_stop_signals() -> list[int]:
+    """SIGTERM and SIGHUP as `Terminated`, where Python lets us (the main thread) and nobody set another
+    handler; the ones it took (main puts their defaults back on its way out)."""
+    taken = []
+    for signum in STOP_SIGNALS:
+        try:
+            if signal.getsignal(signum) == signal.SIG_DFL:
+                signal.signal(signum, _terminate)
+                taken.append(signum)
+        except ValueError:  # not the main thread (an embedding caller): leave signals alone
+            break
+    return taken
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,12 +151,12 @@ def _user_error_line(exc: BaseException) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    caught = _catch_sigterm()
+    taken = _catch_stop_signals()
     try:
         return _main(argv)
     finally:
-        if caught:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum in taken:
+            signal.signal(signum, signal.SIG_DFL)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -165,7 +171,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         return args._module.run(args)
     except KeyboardInterrupt as exc:
-        print(f"{prog}: interrupted" + (" (SIGTERM)" if isinstance(exc, Terminated) else ""), file=sys.stderr)
+        by = f" ({signal.Signals(exc.signum).name})" if isinstance(exc, Terminated) else ""
+        print(f"{prog}: interrupted{by}", file=sys.stderr)
         return exit_status(exc)
     except Exception as exc:
         if args.debug:

@@ -215,8 +215,7 @@ def _claim(out_dir: Path, record: dict[str, Any], force: bool, log: Callable[[st
             log(f"{out_dir} already holds this conversion ({record['method']}, {record['target']}, "
                 f"TP {record['tp_size']}); nothing to do")
             return True
-        ours = previous is not None and source.same_model(previous["source"].get("identity"),
-                                                          record["source"]["identity"])
+        ours = previous is not None and not _another_model(previous, record)
         stale = previous is not None and previous["source"].get("fingerprint") != record["source"]["fingerprint"]
         log(f"{out_dir} holds " + (f"this conversion, but {damaged}" if damaged else
                                    "a conversion of another model (--force)" if not ours and force else
@@ -233,14 +232,20 @@ def _claim(out_dir: Path, record: dict[str, Any], force: bool, log: Callable[[st
     return False
 
 
-def _refuse_another_model(out_dir: Path, previous: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+def _another_model(previous: Mapping[str, Any], record: Mapping[str, Any]) -> bool:
     then, now = previous["source"], record["source"]
     same = source.same_model(then.get("identity"), now["identity"])
     if same is None:  # a record from before identities: the source path is all it says
         same = then.get("path") == now["path"]
-    if not same:
+    return not same
+
+
+def _refuse_another_model(out_dir: Path, previous: Mapping[str, Any], record: Mapping[str, Any]) -> None:
+    then, now = previous["source"], record["source"]
+    if _another_model(previous, record):
         raise ConvertedCheckpointError(
-            f"--out {out_dir} holds a conversion of another model: {then.get('path')} "
+            f"--out {out_dir} holds a conversion of another model (its config.json or shard sizes differ): "
+            f"{then.get('path')} "
             f"({source.summary(then.get('identity'))}), not {now['path']} ({source.summary(now['identity'])}); "
             "choose another --out, or pass --force to replace it")
 

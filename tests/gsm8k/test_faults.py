@@ -110,7 +110,7 @@ def test_resume_refuses_a_report_made_with_other_settings(world, gsm8k):
     assert code == 2 and "cannot read report" in err
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_a_signal_writes_the_report_and_resume_finishes(world, signum, status):
     """A real process stopped while requests hang, by Ctrl-C or by SIGTERM (a CI cancel, `timeout`,
     `docker stop`, which skipped the last save): exit 128+signal, every answer on disk."""
