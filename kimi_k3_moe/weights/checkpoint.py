@@ -7,6 +7,7 @@ with prefix `language_model.model.layers` (the multimodal export) or
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -73,7 +74,9 @@ def weight_files(folder: Path, weight_map: dict[str, str] | None = None) -> tupl
     folder follows (the loaders, `doctor`, `convert` and its source fingerprint). With an index, the
     files it lists (`weight_map`, read from it when not given), each of which must exist; without
     one, every *.safetensors in the folder."""
-    present = sorted(folder.glob("*.safetensors"))
+    with io_errors.mapped(CheckpointError, folder, "cannot read folder"):  # glob would see an empty folder
+        names = os.listdir(folder)
+    present = sorted(folder / n for n in names if n.endswith(".safetensors") and not n.startswith("."))
     index = folder / INDEX_FILE
     if weight_map is None and not index.is_file():
         return present, []

@@ -121,6 +121,10 @@ def test_the_loaders_raise_their_own_type_with_the_cause(model, tmp_path):
     assert cli(*convert_args(model, model / conv.CONVERTED_DIRNAME)).returncode == 0
     layer = unreadable(model / conv.CONVERTED_DIRNAME / conv.layer_file(1, 0, 1))
     shard = unreadable(sorted(model.glob("model-*.safetensors"))[0])
+    locked = tmp_path / "locked"  # a folder it may not list: glob saw it empty ("no *.safetensors files")
+    locked.mkdir()
+    os.chown(locked, 65534, 65534)
+    locked.chmod(0o700)
     script = f"""
 from kimi_k3_moe.weights import converted as conv
 from kimi_k3_moe.weights.checkpoint import CheckpointError, CheckpointReader
@@ -134,16 +138,21 @@ try:
     found.load_layer(1, 0)
 except conv.ConvertedCheckpointError as exc:
     print("converted:", exc)
+try:
+    CheckpointReader({str(locked)!r})
+except CheckpointError as exc:
+    print("folder:", exc)
 """
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run without CAP_DAC_OVERRIDE")
     out = subprocess.run([*NO_DAC, sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     lines = out.stdout.splitlines()
-    assert out.returncode == 0 and len(lines) == 2, out.stdout + out.stderr
+    assert out.returncode == 0 and len(lines) == 3, out.stdout + out.stderr
     assert lines[0].startswith("checkpoint: tensor '") and \
         lines[0].endswith(f": cannot read shard {shard}: permission denied"), lines[0]
     assert lines[1] == f"converted: cannot read {layer}: permission denied", lines[1]
+    assert lines[2] == f"folder: cannot read folder {locked}: permission denied", lines[2]
 
 
 @pytest.mark.parametrize("layers, needle", [
