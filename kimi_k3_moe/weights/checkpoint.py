@@ -107,6 +107,8 @@ class CheckpointReader:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint folder {self.path} does not exist")
+        with io_errors.mapped(CheckpointError, self.path, "cannot read folder"):  # before any is_file() in it
+            os.listdir(self.path)
         self._handles: dict[Path, object] = {}
         self.unlisted: list[Path] = []  # *.safetensors an index leaves out: never read
         self._where = self._index()

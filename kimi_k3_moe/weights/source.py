@@ -44,11 +44,12 @@ def source_fingerprint(model_dir: str | Path) -> str:
     """Cheap SHA-256 of the state of a checkpoint's weight files (FINGERPRINT_RULE)."""
     model_dir = Path(model_dir)
     digest = hashlib.sha256()
+    shards = _shards(model_dir)  # first: it names a folder this user may not read
     index = model_dir / INDEX_FILE
     if index.is_file():
         with io_errors.mapped(CheckpointError, index):
             digest.update(b"index\0" + hashlib.sha256(index.read_bytes()).digest())
-    for shard in _shards(model_dir):
+    for shard in shards:
         with io_errors.mapped(CheckpointError, shard, "cannot read shard"):
             stat = shard.stat()
             digest.update(f"{shard.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())

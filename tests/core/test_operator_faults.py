@@ -71,9 +71,15 @@ def unreadable(path: Path) -> Path:
 
 
 def test_convert_onto_a_full_disk_names_the_file_and_no_space(model, mount_point):
-    out = mount_point("size=16k") / "int4"
+    fs = mount_point("size=16k")
+    out = fs / "int4"
     line = one_line_error(cli(*convert_args(model, out)), "convert", f"cannot write {out}/", "no space left on device")
     assert "internal error" not in line and "SafetensorError" not in line
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))  # no half-written file left
+    subprocess.run(["mount", "-o", "remount,size=4m", str(fs)], check=True)  # space freed: convert again
+    result = cli(*convert_args(model, out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert conv.find_converted(model, tp_size=1, tp_rank=0, env={conv.ENV_CONVERTED: str(out)}) is not None
 
 
 def test_convert_past_a_file_size_limit_names_the_file(model, tmp_path):
