@@ -60,11 +60,23 @@ def situv2_and_mul(
     return (gate_act * up_act).to(x.dtype)
 
 
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
 def _check_beta(field: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{field} must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{field} must be finite and > 0, got {value!r}")
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond any float
+        as_float = math.inf
+    if not math.isfinite(as_float) or as_float <= 0:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:12]}... ({len(repr(value))} digits)"
+        raise ValueError(f"{field} must be finite and > 0, got {shown}")
+    # the kernels take the betas as float32: beyond its range one rounds to inf or 0 and serves NaN
+    if not FLOAT32_TINY <= as_float <= FLOAT32_MAX:
+        raise ValueError(f"{field} {value!r} is outside float32's normal range [{FLOAT32_TINY:.4g}, "
+                         f"{FLOAT32_MAX:.4g}], which the kernels compute in")
 
 
 def _float_bits(value: float) -> str:

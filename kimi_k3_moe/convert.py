@@ -15,21 +15,31 @@ from pathlib import Path
 from kimi_k3_moe import settings
 from kimi_k3_moe.cli import positive_int
 from kimi_k3_moe.formats import int4
+from kimi_k3_moe.weights.convert_run import convert_checkpoint, verify_sources
 from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, RECORD_FILE, TARGETS,
-                                           ConvertedCheckpointError, convert_checkpoint, open_converted,
-                                           verify_sources)
+                                           ConvertedCheckpointError, open_converted)
 
 HELP = "convert a Kimi-K3 MXFP4 checkpoint's experts to int4 once, for gfx942 servers to load directly"
 
 
+MAX_LAYER = 100_000  # far above any model's depth; bounds what a typo can ask for
+
+
 def _layers(text: str) -> list[int]:
+    """'1-4,9' -> [1, 2, 3, 4, 9]; a reversed or empty range, or nothing at all, is refused."""
     out = []
     for part in text.split(","):
-        lo, _, hi = part.partition("-")
+        lo, dash, hi = part.strip().partition("-")
         try:
-            out += list(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi if dash else lo)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r} is not N or N-M") from None
+            raise argparse.ArgumentTypeError(f"{part!r} is not N or N-M (layer numbers >= 0)") from None
+        if not 0 <= first <= MAX_LAYER or not 0 <= last <= MAX_LAYER:
+            raise argparse.ArgumentTypeError(f"{part!r}: layer numbers run from 0 to {MAX_LAYER}")
+        if last < first:
+            raise argparse.ArgumentTypeError(f"{part!r} is a reversed range (no layer from {first} down to "
+                                             f"{last}); write {last}-{first}")
+        out += range(first, last + 1)
     return out
 
 
@@ -67,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-mib", type=positive_int, help="scratch budget per chunk in MiB (>= 1)")
     parser.add_argument("--verify", action="store_true",
                         help="check an existing --out against the model's MXFP4 bytes instead of converting")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a conversion of another model found in --out (refused without it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -82,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.out, target=args.target, tp_size=args.tp, method=args.method,
         layers=args.layers, device=args.device,
         chunk_bytes=None if args.chunk_mib is None else args.chunk_mib << 20,
-        progress=not args.no_progress)
+        progress=not args.no_progress, force=args.force)
     files = done.record["files"]
     total = sum(f["size"] for f in files.values())
     print(f"converted {len(done.layers)} MoE layer(s) x TP {done.tp_size} with method {done.method!r} "

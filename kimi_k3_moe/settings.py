@@ -55,12 +55,31 @@ def choice(name: str, env: Mapping[str, str] | None = None) -> str:
 
 
 def path(name: str, env: Mapping[str, str] | None = None) -> str | None:
-    """A folder setting (KIMI_K3_MOE_CONVERTED): None when unset; must exist when set."""
+    """A folder setting (KIMI_K3_MOE_CONVERTED, KIMI_K3_MOE_GSM8K_DIR): None when unset; must be a
+    folder this process can read when set."""
     value = (os.environ if env is None else env).get(name, "").strip()
     if not value:
         return None
     if not os.path.isdir(value):
-        raise SettingError(f"{name}={value} does not exist or is not a folder")
+        why = "is not a folder" if os.path.exists(value) else "does not exist"
+        raise SettingError(f"{name}={value} {why}")
+    if not os.access(value, os.R_OK | os.X_OK):
+        raise SettingError(f"{name}={value}: permission denied (this user cannot read the folder)")
+    return value
+
+
+LINKER = os.path.join("llvm", "bin", "ld.lld")
+
+
+def linker_root(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A ROCm-like root setting (KIMI_K3_MOE_FLYDSL_ROCM): None when unset; when set, a folder holding
+    an executable llvm/bin/ld.lld. Never replaced by another root when wrong: refused, naming it."""
+    value = path(name, env)
+    if value is None:
+        return None
+    linker = os.path.join(value, LINKER)
+    if not os.path.isfile(linker) or not os.access(linker, os.X_OK):
+        raise SettingError(f"{name}={value} holds no executable {LINKER}")
     return value
 
 
@@ -75,15 +94,15 @@ def folder_to_create(name: str, env: Mapping[str, str] | None = None) -> str | N
     return value
 
 
+# every setting that is not a choice -> the check it is read with
+PATHS = {CONVERTED: path, GSM8K_DIR: path, TABLES: folder_to_create, FLYDSL_ROCM: linker_root}
+
+
 def check_all(env: Mapping[str, str] | None = None) -> list[str]:
-    """One message per invalid setting (for `doctor`)."""
+    """One message per invalid setting, every KIMI_K3_MOE_* one (for `doctor`)."""
     problems = []
-    for name in CHOICES:
-        try:
-            choice(name, env)
-        except SettingError as exc:
-            problems.append(str(exc))
-    for check, name in ((path, CONVERTED), (folder_to_create, TABLES)):
+    checks = [(choice, name) for name in CHOICES] + [(check, name) for name, check in PATHS.items()]
+    for check, name in checks:
         try:
             check(name, env)
         except SettingError as exc:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from kimi_k3_moe import __version__, settings
+from kimi_k3_moe import __version__, io_errors, settings
 
 SCHEMA = "kimi-k3-moe/user-table"
 FORMAT_VERSION = 1
@@ -36,6 +36,10 @@ _messages: dict[str, str] = {}  # path -> why it was refused (doctor shows these
 
 class UserTableError(ValueError):
     """A user table that must not serve; the message says why."""
+
+
+# what reading a user's file may raise: a table is data, and no content of it may escape a lookup
+DATA_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, ArithmeticError)
 
 
 @dataclass(frozen=True)
@@ -137,14 +141,14 @@ def validate(table: dict, *, kind: TableKind, identity: dict, path: Path | str =
     for key, entry in entries.items():
         try:
             have = kind.tiers_of(entry)
-        except (ValueError, TypeError) as exc:
+        except DATA_ERRORS as exc:
             raise UserTableError(f"user table {path}: entry {key} holds an invalid token tier: {exc}") from None
         missing = [t for t in tiers if t not in have]
         if missing:
             raise UserTableError(f"user table {path}: entry {key} lacks token tiers {missing}")
         try:
             kind.check(key, entry)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+        except DATA_ERRORS as exc:
             raise UserTableError(f"user table {path}: entry {key} holds an invalid config: {exc}") from None
     return table
 
@@ -156,12 +160,12 @@ def _load(kind: TableKind, path_text: str, identity_json: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        table = json.loads(path.read_text())
+        table = io_errors.read_json(path, UserTableError)
         table = validate(table, kind=kind, identity=json.loads(identity_json), path=path)
-    except (OSError, json.JSONDecodeError) as exc:
-        why = f"user table {path}: unreadable or not valid JSON ({exc})"
     except UserTableError as exc:
-        why = str(exc)
+        why = str(exc) if str(exc).startswith("user table") else f"user table: {exc}"
+    except DATA_ERRORS as exc:  # validate's own checks missed a shape: still data, never a crash
+        why = f"user table {path}: malformed ({type(exc).__name__}: {exc})"
     else:
         _messages.pop(path_text, None)
         return table
@@ -185,6 +189,15 @@ def entry(kind: TableKind, key: str, identity: dict | None = None) -> tuple[dict
     return table["entries"][key], f"user table {path}"
 
 
+def refused(path: Path, why: str) -> None:
+    """A table that validated but that its backend still cannot use here: said once; the caller
+    serves the packaged table."""
+    text = f"user table {path}: {why}; the packaged table serves"
+    if _messages.get(str(path)) != text:
+        _messages[str(path)] = text
+        log.warning("kimi-k3-moe: %s", text)
+
+
 def describe(kind: TableKind) -> str:
     """One line for doctor and the plugin's log: which table serves and from where."""
     table, path = load(kind)
@@ -204,9 +217,7 @@ def clear_cache() -> None:
 # ---------------------------------------------------------------- writing
 def replace_file(path: Path, text: str) -> None:
     """Write `text` to a temporary beside `path`, then rename it over `path`: a reader never sees half a table."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    io_errors.write_text(path, text)  # a failure is one line naming the path and the cause
 
 
 def write(kind: TableKind, identity: dict, tiers: list[int], entries: dict, *, extra: dict | None = None,

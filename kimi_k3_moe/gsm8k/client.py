@@ -1,20 +1,24 @@
-"""One HTTP client for three APIs: OpenAI completions, OpenAI chat, SGLang /generate.
+"""One HTTP client for three APIs: OpenAI completions, OpenAI chat, SGLang /generate, on aiohttp.
 
-Each request opens its own connection (a GSM8K question costs seconds of
-generation; a TCP handshake is noise) so a dropped or half-read connection can
-never poison the next request. The timeout is a hard wall-clock deadline on
-each attempt (connect, send, headers and body together): a timer shuts the
-socket down when it passes, so a server that trickles a byte at a time or
-stalls mid-reply cannot stretch it, as a per-read socket timeout would let it.
+Requests run on one asyncio loop in a background thread, so the job's worker
+threads (and tests) call a plain function. Each request has aiohttp's total
+timeout: a hard wall-clock deadline on the whole attempt (connect, send, headers
+and body together), so a server that trickles a byte at a time or stalls
+mid-reply cannot stretch it, as a per-read socket timeout would let it. Each
+request opens its own connection (`force_close`; a GSM8K question costs seconds
+of generation, a TCP handshake is noise), so a dropped or half-read connection
+can never poison the next request, and the connector bounds how many are open.
+aiohttp is imported when a Server is made (a second on a busy machine), not
+with this module: every `kimi-k3-moe` command builds this command's parser.
 """
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import random
-import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -28,6 +32,7 @@ APIS = {
 }
 T = TypeVar("T")
 RETRY_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: beyond it, say "none" (no limit) instead
 
 
 class RequestFailed(Exception):
@@ -63,11 +68,78 @@ def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def check_timeout(timeout_s: float | None, option: str = "--timeout") -> float | None:
+    """None (no limit), or a number of seconds in (0, MAX_TIMEOUT_S]; else ValueError naming `option`."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"{option} {timeout_s}: give seconds in (0, {MAX_TIMEOUT_S:g}] (a week), or 'none' "
+                         "for no limit")
+    return float(timeout_s)
+
+
+def _what_failed(exc: BaseException) -> str:
+    """'ConnectionRefusedError: ...': the OS error under aiohttp's wrapper where there is one."""
+    cause = getattr(exc, "os_error", None)
+    name = type(cause or exc).__name__
+    detail = " ".join(str(exc).split()) or "connection closed without a reply"
+    return f"{name}: {detail}"
+
+
+class _Loop:
+    """One asyncio loop in a daemon thread, with one aiohttp session, for every request of a Server."""
+
+    def __init__(self, connections: int):
+        import aiohttp  # noqa: F401  (here, so that its import time is not charged to a request's deadline)
+
+        self._connections = connections
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._session = None  # an aiohttp.ClientSession, made on the loop
+
+    def run(self, make: Callable[[object], object]):
+        """Run the coroutine `make(session)` on the loop and wait for its result."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, name="gsm8k-http", daemon=True)
+                self._thread.start()
+        return asyncio.run_coroutine_threadsafe(self._call(make), self._loop).result()
+
+    async def _call(self, make):
+        import aiohttp
+
+        if self._session is None:  # made on the loop that uses it, as aiohttp requires
+            connector = aiohttp.TCPConnector(limit=self._connections, force_close=True)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return await make(self._session)
+
+    def close(self) -> None:
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        session, self._session = self._session, None
+        if session is not None:
+            closing = asyncio.run_coroutine_threadsafe(session.close(), loop)
+            if threading.current_thread() is not self._thread:  # the loop's own thread cannot wait on it
+                try:
+                    closing.result(timeout=5)
+                except Exception:  # a loop stuck on a request: the process is ending anyway
+                    pass
+        loop.call_soon_threadsafe(loop.stop)
+
+
 class Server:
-    """Where and how to ask: base URL, API flavour, model and generation settings."""
+    """Where and how to ask: base URL, API flavour, model and generation settings.
+
+    `timeout_s`: the deadline of each attempt, None for no limit; `connections`: how many requests
+    may be open at once (the job's concurrency). `close()` (or `with Server(...)`) ends its session."""
 
     def __init__(self, base_url: str, api: str, *, model: str | None = None, max_tokens: int = 256,
-                 stop: Sequence[str] = (), timeout_s: float = 600.0, api_key: str | None = None):
+                 stop: Sequence[str] = (), timeout_s: float | None = 600.0, api_key: str | None = None,
+                 connections: int = 32):
         if api not in APIS:
             raise ValueError(f"--api {api!r}: choose one of {', '.join(APIS)}")
         self.base_url = normalize_base_url(base_url)
@@ -75,46 +147,44 @@ class Server:
         self.model = model
         self.max_tokens = max_tokens
         self.stop = list(stop)
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self._api_key = api_key
-        parts = urlsplit(self.base_url)
-        self._https = parts.scheme == "https"
-        self._host, self._port, self._prefix = parts.hostname, parts.port, parts.path
+        self._loop = _Loop(max(1, connections))
+        weakref.finalize(self, self._loop.close)  # a Server dropped without close() ends its session too
+
+    def close(self) -> None:
+        self._loop.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- one attempt -----------------------------------------------------------------------------
 
     def _exchange(self, method: str, path: str, body: dict | None) -> object:
         """Send one request and return the decoded JSON reply, or raise RequestFailed."""
-        connection_class = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = connection_class(self._host, self._port, timeout=self.timeout_s)
-        deadline = _Deadline(conn, self.timeout_s)
+        import aiohttp
+
         headers = {"Accept": "application/json"}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         where = f"{method} {self.base_url}{path}"
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+
+        async def attempt(session) -> tuple[int, bytes]:
+            async with session.request(method, self.base_url + path, json=body, headers=headers,
+                                       timeout=timeout) as response:
+                return response.status, await response.read()
         try:
-            with deadline:
-                conn.connect()  # bounded by its own timeout of the same length
-                deadline.check()  # a timer that fired before the socket existed had nothing to shut
-                conn.request(method, self._prefix + path, body=data, headers=headers)
-                response = conn.getresponse()
-                status, raw = response.status, response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            # refused, reset, dropped, timed out, truncated: all worth another try
-            if deadline.expired:  # the timer's shutdown surfaces as whatever the read saw; say why
-                exc = TimeoutError(f"no complete reply within {self.timeout_s:g} s (the deadline "
-                                   "bounds the whole request)")
-            detail = str(exc) or "connection closed without a reply"
-            raise RequestFailed(f"{where}: {type(exc).__name__}: {detail}", retryable=True) from None
-        finally:
-            conn.close()
-        if deadline.expired:  # finished reading only because the socket was shut down
-            raise RequestFailed(f"{where}: TimeoutError: no complete reply within {self.timeout_s:g} s",
-                                retryable=True)
+            status, raw = self._loop.run(attempt)
+        except asyncio.TimeoutError:  # the total deadline, whatever stage it cut
+            raise RequestFailed(f"{where}: TimeoutError: no complete reply within {self.timeout_s:g} s (the "
+                                "deadline bounds the whole request)", retryable=True) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            # refused, reset, dropped, truncated: all worth another try
+            raise RequestFailed(f"{where}: {_what_failed(exc)}", retryable=True) from None
         if status != 200:
             excerpt = raw[:300].decode(errors="replace").strip()
             raise RequestFailed(f"{where}: HTTP {status}: {excerpt}", retryable=status in RETRY_STATUS)
@@ -178,47 +248,6 @@ class Server:
             raise RequestFailed(f"GET {self.base_url}/v1/models: no 'data' list in the reply",
                                 retryable=False)
         return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
-
-
-class _Deadline:
-    """A wall-clock limit on one connection: when it passes, the socket is shut down, which ends
-    any read or write blocked on it at once (a socket timeout only bounds each single read).
-
-    Used as a context manager around the exchange; `expired` says whether it fired."""
-
-    def __init__(self, conn: http.client.HTTPConnection, seconds: float):
-        self._conn = conn
-        self._lock = threading.Lock()
-        self._done = False
-        self.expired = False
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-
-    def _expire(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self.expired = True
-            sock = self._conn.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:  # already closed by the other side
-                pass
-
-    def __enter__(self) -> "_Deadline":
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with self._lock:
-            self._done = True
-        self._timer.cancel()
-
-    def check(self) -> None:
-        """TimeoutError if the limit passed while nothing could be shut down (during connect)."""
-        if self.expired:
-            raise TimeoutError("the deadline passed while connecting")
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,22 @@
 Exit status: 0 the gate passed (or no gate was given and every question was
 answered), 1 the gate failed, 2 a usage, data or connection error or an
 incomplete run (the report is still written; --resume finishes it),
-130 interrupted.
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): the report is saved either way.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
-from kimi_k3_moe.gsm8k.client import APIS, RequestFailed, RetryNotice, RetryPolicy, Server, with_retries
+from kimi_k3_moe import settings as env_settings
+from kimi_k3_moe.cli import INT_MAX, exit_status
+from kimi_k3_moe.gsm8k.client import (APIS, MAX_TIMEOUT_S, RequestFailed, RetryNotice, RetryPolicy, Server,
+                                      check_timeout, with_retries)
 from kimi_k3_moe.gsm8k.data import DATA_DIR_ENV, DataError, load_gsm8k
 from kimi_k3_moe.gsm8k.gate import DEFAULT_RTOL, METRICS, make_gate
 from kimi_k3_moe.gsm8k.job import run_questions
@@ -31,8 +35,11 @@ examples, flexible = the last digits read as an integer; strict = the '#### N'
 number by value (ours). The gate reads the flexible score unless --gate-on strict.
 gate: --threshold T passes iff accuracy >= T; --baseline B [--rtol R] passes iff
 accuracy >= B*(1-R) (R defaults to {DEFAULT_RTOL}, vLLM's). No gate: exit 0 once all is answered.
-exit status: 0 pass, 1 fail, 2 usage/data/connection error or incomplete run, 130 interrupted.
+exit status: 0 pass, 1 fail, 2 usage/data/connection error or incomplete run, 130 interrupted,
+143 terminated (the report is saved on both signals; --resume asks only the rest).
 """
+NO_LIMIT = ("none", "off", "inf")  # what --timeout takes for "no deadline"
+MAX_RETRIES, MAX_CONCURRENCY, MAX_BACKOFF_S = 100, 4096, 3600.0
 
 
 class UsageError(Exception):
@@ -57,9 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=32,
                         help="requests in flight at once (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256, help="per reply (default: %(default)s)")
-    parser.add_argument("--timeout", type=float, default=600.0,
+    parser.add_argument("--timeout", type=_timeout, default=600.0,
                         help="hard wall-clock deadline in seconds on each attempt: connect, send, headers and "
-                             "reply together, however slowly the server trickles (default: %(default)s)")
+                             f"reply together, however slowly the server trickles; at most {MAX_TIMEOUT_S:g} "
+                             "(a week), or 'none' for no limit (default: %(default)s)")
     parser.add_argument("--retries", type=int, default=5,
                         help="extra attempts on connection errors, timeouts, 5xx and malformed "
                              "replies (default: %(default)s)")
@@ -78,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     resume.add_argument("--resume", action="store_true",
                         help="continue the run in --report; questions it answered are not asked again")
     resume.add_argument("--overwrite", action="store_true", help="replace an existing --report")
-    parser.add_argument("--data-dir", default=os.environ.get(DATA_DIR_ENV),
+    parser.add_argument("--data-dir",
                         help=f"folder with GSM8K's train.jsonl and test.jsonl (default: ${DATA_DIR_ENV}; "
                              "else the Hugging Face `datasets` loader if installed)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -86,15 +94,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _timeout(text: str) -> float | None:
+    if text.strip().lower() in NO_LIMIT:
+        return None
+    try:
+        return check_timeout(float(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--timeout ")
+                                         if "give seconds" in str(exc) else f"{text!r} is not a number") from None
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
-    for name, low in (("num_shots", 0), ("num_questions", 1), ("concurrency", 1), ("max_tokens", 1),
-                      ("retries", 0)):
+    for name, low, high in (("num_shots", 0, INT_MAX), ("num_questions", 1, INT_MAX),
+                            ("concurrency", 1, MAX_CONCURRENCY), ("max_tokens", 1, INT_MAX),
+                            ("retries", 0, MAX_RETRIES)):
         value = getattr(args, name)
-        if value is not None and value < low:
-            raise UsageError(f"--{name.replace('_', '-')} {value}: must be at least {low}")
-    for name in ("timeout", "backoff"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name} {getattr(args, name)}: must be positive")
+        if value is not None and not low <= value <= high:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be in [{low}, {high}]")
+    if not 0 < args.backoff <= MAX_BACKOFF_S:  # NaN fails too
+        raise UsageError(f"--backoff {args.backoff}: must be in (0, {MAX_BACKOFF_S:g}] seconds")
+    for name in ("baseline", "threshold", "rtol"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise UsageError(f"--{name} {value}: must be a finite number")
+
+
+def _data_dir(args: argparse.Namespace) -> str | None:
+    """--data-dir, else the setting (which must then name a folder), else None (the hub)."""
+    if args.data_dir:
+        return args.data_dir
+    try:
+        return env_settings.path(DATA_DIR_ENV)
+    except env_settings.SettingError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _say(line: str) -> None:
@@ -124,7 +156,7 @@ def _prepare(args: argparse.Namespace):
     if report_path.exists() and not (args.resume or args.overwrite):
         raise UsageError(f"report {report_path} exists: --resume continues it, --overwrite replaces it")
     try:
-        train, test, source = load_gsm8k(args.data_dir)
+        train, test, source = load_gsm8k(_data_dir(args))
     except DataError as exc:
         raise UsageError(f"GSM8K data: {exc}") from None
     if args.num_shots > len(train):
@@ -142,12 +174,25 @@ def _prepare(args: argparse.Namespace):
             raise UsageError(f"GSM8K data: test question {problem.index}: {exc}") from None
     try:
         server = Server(args.base_url, args.api, model=args.model, max_tokens=args.max_tokens,
-                        stop=protocol.stop, timeout_s=args.timeout, api_key=args.api_key)
+                        stop=protocol.stop, timeout_s=args.timeout, api_key=args.api_key,
+                        connections=args.concurrency)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     policy = RetryPolicy(retries=args.retries, backoff_s=args.backoff)
-    if server.api != "sglang-generate" and not server.model:
-        server.model = _served_model(server, policy)
+    try:
+        if server.api != "sglang-generate" and not server.model:
+            server.model = _served_model(server, policy)
+        report = _open_report(args, gate, server, protocol, problems, golds, (train, source))
+    except BaseException:
+        server.close()
+        raise
+    return gate, report_path, server, policy, protocol, problems, *report
+
+
+def _open_report(args, gate, server, protocol, problems, golds, data):
+    """(prompts, shots, the report: new or resumed) once the server is known."""
+    report_path, num_questions = Path(args.report), len(problems)
+    train, source = data
     prompts, shots = build_prompts(protocol, train, problems, args.num_shots)
     settings = {**protocol.describe(),  # protocol, reproduces, stop, fewshot_seed, scores
                 "base_url": server.base_url, "api": server.api, "model": server.model,
@@ -167,9 +212,9 @@ def _prepare(args: argparse.Namespace):
         report = Report(settings)
     try:  # find out now, not after an hour of questions, that the report cannot be written
         report.save(report_path, gate)
-    except OSError as exc:
-        raise UsageError(f"cannot write the report: {exc}") from None
-    return gate, report_path, server, policy, protocol, problems, prompts, shots, report
+    except ReportError as exc:
+        raise UsageError(str(exc)) from None
+    return prompts, shots, report
 
 
 def _fingerprint(prompts: list[str], golds: list[dict]) -> str:
@@ -206,8 +251,8 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"kimi-k3-moe gsm8k: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as exc:
+        return exit_status(exc)
 
     def checkpoint() -> None:
         report.save(report_path, gate)
@@ -216,10 +261,15 @@ def run(args: argparse.Namespace) -> int:
         failure = run_questions(server, policy, protocol, problems, prompts, shots, report,
                                 concurrency=args.concurrency, checkpoint=checkpoint,
                                 progress=False if args.no_progress else None)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the job saved the report on its way out
         print(f"\ninterrupted: {len(report.records)} answered are in {report_path}; "
               "--resume finishes the run", file=sys.stderr)
-        return 130
+        return exit_status(exc)
+    except ReportError as exc:
+        print(f"kimi-k3-moe gsm8k: error: {exc}; the answers since the last save are lost", file=sys.stderr)
+        return 2
+    finally:
+        server.close()
     verdict = report.verdict(gate)
     _print_summary(report, verdict, report_path)
     if failure or not report.complete:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimi_k3_moe import settings
+from kimi_k3_moe import io_errors, settings
 from kimi_k3_moe.gsm8k.answers_vllm import gold_answer
 
 DATA_DIR_ENV = settings.GSM8K_DIR
@@ -53,7 +53,7 @@ def read_split(path: Path) -> list[Problem]:
         with open(path, "rb") as f:
             lines = list(f)
     except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from None
+        raise DataError(io_errors.describe(exc, path)) from None
     for lineno, raw in enumerate(lines, 1):
         try:
             line = raw.decode("utf-8")

@@ -5,11 +5,10 @@ rewritten atomically (write a sibling file, then rename) while the job runs.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 from pathlib import Path
 
+from kimi_k3_moe import io_errors
 from kimi_k3_moe.gsm8k.gate import Gate
 from kimi_k3_moe.gsm8k.protocols import no_answer
 
@@ -42,17 +41,23 @@ class Report:
     @classmethod
     def load(cls, path: Path) -> "Report":
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ReportError(f"cannot read report {path}: {exc}") from None
+            data = io_errors.read_json(path, ReportError)
+        except ReportError as exc:
+            raise ReportError(f"cannot read report: {exc}") from None
         if not isinstance(data, dict) or data.get("kind") != KIND or data.get("version") != VERSION:
             raise ReportError(f"{path} is not a version-{VERSION} {KIND}")
-        report = cls(data["settings"])
-        for record in data.get("records", []):
-            if record["id"] in report.records:
-                raise ReportError(f"{path}: question {record['id']} is recorded twice")
-            report.records[record["id"]] = record
-        report.sessions = list(data.get("sessions", []))
+        try:
+            report = cls(dict(data["settings"]))
+            for record in data.get("records", []):
+                if record["id"] in report.records:
+                    raise ReportError(f"{path}: question {record['id']} is recorded twice")
+                report.records[record["id"]] = record
+            report.sessions = list(data.get("sessions", []))
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ReportError):
+                raise
+            raise ReportError(f"{path}: malformed report ({type(exc).__name__}: {exc}); start again with "
+                              "--overwrite") from None
         return report
 
     def check_resumable(self, settings: dict) -> None:
@@ -131,13 +136,8 @@ class Report:
                 "records": [self.records[k] for k in sorted(self.records)]}
 
     def save(self, path: Path, gate: Gate | None) -> None:
+        """Write the report atomically; ReportError naming the path and the cause (no space, ...)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_json(gate), f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with io_errors.mapped(ReportError, path, "cannot write the report"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        io_errors.write_text(path, json.dumps(self.to_json(gate), indent=1), ReportError)

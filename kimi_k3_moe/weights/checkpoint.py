@@ -7,13 +7,14 @@ with prefix `language_model.model.layers` (the multimodal export) or
 """
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from kimi_k3_moe import io_errors
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.experts import Mxfp4Experts
 
@@ -35,14 +36,19 @@ def moe_tensor_name(layer: int, suffix: str, prefix: str = LAYER_PREFIXES[0]) ->
 
 
 def open_shard(path: Path):
-    """safe_open(path), or CheckpointError naming the file (missing, truncated, corrupt header)."""
-    if not path.is_file():
-        raise CheckpointError(f"shard {path} is missing")
+    """safe_open(path), or CheckpointError naming the file and the cause (missing, unreadable,
+    truncated, corrupt header)."""
+    with io_errors.mapped(CheckpointError, path, "cannot read shard"):
+        # opened here first: safe_open reports a permission error as "No such file or directory"
+        with open(path, "rb"):
+            pass
     try:
         return safe_open(path, framework="pt")
     except BaseException as exc:  # safetensors raises its own types, a Rust panic a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
+        if isinstance(exc, OSError):
+            raise CheckpointError(io_errors.describe(exc, path, "cannot read shard")) from None
         raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt header?): "
                               f"{one_line(exc)}") from None
 
@@ -54,15 +60,32 @@ def one_line(exc: BaseException) -> str:
 
 def read_index(path: Path) -> dict[str, str]:
     """The index file's weight_map (tensor -> shard file name), or CheckpointError naming the file."""
-    try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {one_line(exc)}") from None
-    except (KeyError, TypeError):
-        raise CheckpointError(f"{path} has no \"weight_map\" object") from None
+    loaded = io_errors.read_json(path, CheckpointError)
+    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+    if weight_map is None:
+        raise CheckpointError(f"{path} has no \"weight_map\" object")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{path}: \"weight_map\" must map tensor names to shard file names")
     return weight_map
+
+
+def weight_files(folder: Path, weight_map: dict[str, str] | None = None) -> tuple[list[Path], list[Path]]:
+    """(the shards a tool reads, the *.safetensors it ignores): the one rule every reader of a model
+    folder follows (the loaders, `doctor`, `convert` and its source fingerprint). With an index, the
+    files it lists (`weight_map`, read from it when not given), each of which must exist; without
+    one, every *.safetensors in the folder."""
+    with io_errors.mapped(CheckpointError, folder, "cannot read folder"):  # glob would see an empty folder
+        names = os.listdir(folder)
+    present = sorted(folder / n for n in names if n.endswith(".safetensors") and not n.startswith("."))
+    index = folder / INDEX_FILE
+    if weight_map is None and not index.is_file():
+        return present, []
+    weight_map = read_index(index) if weight_map is None else weight_map
+    listed = sorted({folder / shard for shard in weight_map.values()})
+    missing = [p.name for p in listed if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"{index} lists {len(missing)} shard(s) that are missing: {', '.join(missing[:5])}")
+    return listed, [p for p in present if p not in set(listed)]
 
 
 class CheckpointReader:
@@ -84,6 +107,8 @@ class CheckpointReader:
         self.path = Path(path)
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint folder {self.path} does not exist")
+        with io_errors.mapped(CheckpointError, self.path, "cannot read folder"):  # before any is_file() in it
+            os.listdir(self.path)
         self._handles: dict[Path, object] = {}
         self.unlisted: list[Path] = []  # *.safetensors an index leaves out: never read
         self._where = self._index()
@@ -95,15 +120,10 @@ class CheckpointReader:
     def _index(self) -> dict[str, Path]:
         index = self.path / INDEX_FILE
         if index.is_file():
-            where = {name: self.path / shard for name, shard in read_index(index).items()}
-            missing = sorted({p.name for p in where.values() if not p.is_file()})
-            if missing:
-                raise CheckpointError(f"{index} lists {len(missing)} shard(s) that are missing: "
-                                      f"{', '.join(missing[:5])}")
-            listed = set(where.values())
-            self.unlisted = [p for p in sorted(self.path.glob("*.safetensors")) if p not in listed]
-            return where
-        shards = sorted(self.path.glob("*.safetensors"))
+            weight_map = read_index(index)
+            _, self.unlisted = weight_files(self.path, weight_map)
+            return {name: self.path / shard for name, shard in weight_map.items()}
+        shards, _ = weight_files(self.path)
         if not shards:
             raise CheckpointError(f"no *.safetensors files in {self.path}")
         where: dict[str, Path] = {}

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kimi_k3_moe import io_errors
+
 SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 64 << 10
 _READ_CHUNK = 8 << 20
 
@@ -69,14 +71,17 @@ def check_quick(path: Path, entry: Mapping[str, Any], listed_in: str) -> None:
     """Size and sampled digest of one file against its entry, or ManifestMismatch naming it."""
     if not path.is_file():
         raise ManifestMismatch(f"{path} is listed in {listed_in} but missing")
-    size = path.stat().st_size
-    if size != entry["size"]:
-        raise ManifestMismatch(f"{path} is {size} bytes, {listed_in} says {entry['size']}: "
-                               "truncated or replaced since conversion")
-    try:
-        now = sampled_digest(path)
-    except ValueError as exc:
-        raise ManifestMismatch(str(exc)) from None
+    with io_errors.mapped(ManifestMismatch, path):
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise ManifestMismatch(f"{path} is {size} bytes, {listed_in} says {entry['size']}: "
+                                   "truncated or replaced since conversion")
+        try:
+            now = sampled_digest(path)
+        except ManifestMismatch:
+            raise
+        except ValueError as exc:
+            raise ManifestMismatch(str(exc)) from None
     if now != entry["sampled_digest"]:
         raise ManifestMismatch(f"{path} changed since conversion (its header or sampled data differ from "
                                f"{listed_in}); convert again")
@@ -90,12 +95,15 @@ def check_full(folder: Path, files: Mapping[str, Mapping[str, Any]], own: set[st
     present = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
     for name in sorted(files):
         path, entry = folder / name, files[name]
-        if name not in present or not path.is_file():
-            problems.append(f"missing: {path} is listed but not there")
-        elif path.stat().st_size != entry["size"]:
-            problems.append(f"changed: {path} is {path.stat().st_size} bytes, listed as {entry['size']}")
-        elif file_sha256(path) != entry["sha256"]:
-            problems.append(f"changed: {path} has other bytes than the SHA-256 listed for it")
+        try:
+            if name not in present or not path.is_file():
+                problems.append(f"missing: {path} is listed but not there")
+            elif path.stat().st_size != entry["size"]:
+                problems.append(f"changed: {path} is {path.stat().st_size} bytes, listed as {entry['size']}")
+            elif file_sha256(path) != entry["sha256"]:
+                problems.append(f"changed: {path} has other bytes than the SHA-256 listed for it")
+        except OSError as exc:
+            problems.append(f"unreadable: {io_errors.describe(exc, path)}")
     for name in sorted(present - set(files) - own):
         problems.append(f"extra: {folder / name} is not listed (left by another run, or added since)")
     return problems

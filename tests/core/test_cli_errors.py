@@ -135,6 +135,10 @@ def test_an_unknown_argument_is_reported_by_its_command():
 @pytest.mark.parametrize("field, value, needle", [
     ("activation_situ_beta", 0, "beta (activation_situ_beta) must be finite and > 0, got 0"),
     ("activation_situ_beta", "4.0", "beta (activation_situ_beta) must be a number, got '4.0'"),
+    # finite in Python, inf in the kernels' float32: passed the checks and served NaN
+    ("activation_situ_beta", 1e39, "beta (activation_situ_beta) 1e+39 is outside float32's normal range"),
+    ("activation_situ_linear_beta", 1e-45, "activation_situ_linear_beta) 1e-45 is outside float32's normal range"),
+    ("activation_situ_beta", 10**400, "must be finite and > 0, got 100000000000... (401 digits)"),
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
     ("num_expert_group", 0, "'num_expert_group' must be an integer >= 1, got 0"),
     # every layer dense: converted 0 layers and said so, or an IndexError with --layers

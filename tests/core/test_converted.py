@@ -11,6 +11,7 @@ from moe_helpers import SITU
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.weights import CheckpointReader, read_layer_experts
+from kimi_k3_moe.weights import convert_run
 from kimi_k3_moe.weights import converted as conv
 from kimi_k3_moe.weights.requant import requantize_experts
 from kimi_k3_moe.weights.synthetic import make_checkpoint
@@ -138,7 +139,7 @@ def test_where_plugins_look(model, tmp_path):
 
 
 def test_interrupted_conversion_is_refused_then_resumed(model, monkeypatch):
-    real = conv.requantize_experts
+    real = convert_run.requantize_experts
     calls = []
 
     def fail_on_third(*args, **kwargs):
@@ -147,12 +148,12 @@ def test_interrupted_conversion_is_refused_then_resumed(model, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(conv, "requantize_experts", fail_on_third)
+    monkeypatch.setattr(convert_run, "requantize_experts", fail_on_third)
     with pytest.raises(KeyboardInterrupt):
         convert(model, tp_size=2)
     with pytest.raises(conv.ConvertedCheckpointError, match="conversion did not finish"):
         conv.find_converted(model, tp_size=2, tp_rank=0, env={})
-    monkeypatch.setattr(conv, "requantize_experts", real)
+    monkeypatch.setattr(convert_run, "requantize_experts", real)
     logged = []
     conv.convert_checkpoint(model, model / conv.CONVERTED_DIRNAME, target="gfx942", tp_size=2,
                             progress=False, log=logged.append)

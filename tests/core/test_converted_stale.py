@@ -5,6 +5,7 @@ import os
 import pytest
 
 from kimi_k3_moe.weights import converted as conv
+from kimi_k3_moe.weights import source
 from kimi_k3_moe.weights.synthetic import make_checkpoint
 
 SHAPE = dict(num_layers=3, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64,
@@ -44,7 +45,7 @@ def test_every_component_of_the_fingerprint_notices_a_change(model, monkeypatch)
     convert(model)
     flip_a_data_byte(shard, keep_mtime=True)   # same size and mtime: the sampled content
     assert stale(model)
-    monkeypatch.setattr(conv, "_SAMPLE_BYTES", 1)   # a change outside the samples, as in a large shard
+    monkeypatch.setattr(source, "_SAMPLE_BYTES", 1)   # a change outside the samples, as in a large shard
     convert(model)
     flip_a_data_byte(shard, keep_mtime=False)
     assert stale(model)

@@ -1,6 +1,7 @@
 """The package's layers, checked on the source: every `import` (module level or inside a function).
 
-  formats, configs.hf_dict, settings  the bottom floor: import nothing of the package above them
+  formats, configs.hf_dict, settings, the bottom floor: import nothing of the package above them
+  io_errors
   activation, act_quant, experts      expert data and what an activation is
   platform                            what GPU this is, and what its hardware runs
   weights, reference, routing         checkpoints and conversion; the float reference
@@ -97,6 +98,7 @@ def test_the_scan_sees_the_imports():
     (("kimi_k3_moe.formats",), ("kimi_k3_moe.formats",)),
     (("kimi_k3_moe.configs.hf_dict",), ()),
     (("kimi_k3_moe.settings",), ()),
+    (("kimi_k3_moe.io_errors",), ()),
     (("kimi_k3_moe.experts",), ("kimi_k3_moe.formats",)),
     (("kimi_k3_moe.activation",), ("kimi_k3_moe.formats", "kimi_k3_moe.configs.hf_dict")),
     (("kimi_k3_moe.act_quant",), ("kimi_k3_moe.formats", "kimi_k3_moe.settings")),

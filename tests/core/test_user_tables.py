@@ -3,6 +3,7 @@ with a one-line message and the packaged table serves."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -67,8 +68,12 @@ def rewrite(path, **changes):
     ("config", "invalid config"),
     ("tier_name", "invalid token tier"),  # these two raised ValueError/AttributeError out of the lookup
     ("device_not_object", "device 'NVIDIA H200' is not a JSON object"),
+    # these three raised UnicodeDecodeError, AttributeError and OverflowError out of the lookup
+    ("random_bytes", "is not UTF-8 text"),
+    ("mangled_entry", "invalid config"),
+    ("huge_number", "invalid config"),
 ])
-def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, damage, message):
+def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, seed, damage, message):
     path = user_tables.write(tt.USER_TABLE, user_tables.device_identity(), TIERS, triton_entries())
     if damage == "corrupt":
         path.write_text(path.read_text()[:-40])
@@ -89,6 +94,16 @@ def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, da
         path.write_text(json.dumps(table))
     elif damage == "device_not_object":
         rewrite(path, device="NVIDIA H200")
+    elif damage == "random_bytes":
+        path.write_bytes(bytes(random.Random(seed).randrange(128, 256) for _ in range(512)))
+    elif damage == "mangled_entry":  # a valid header; a tier's config is a list, not an object
+        table = json.loads(path.read_text())
+        next(iter(table["entries"].values()))["tiers"]["1"] = [1, 2, 3]
+        path.write_text(json.dumps(table))
+    elif damage == "huge_number":  # JSON's 1e999 reads as float inf
+        text = path.read_text()
+        path.write_text(text.replace('"block_m": 32', '"block_m": 1e999', 1))
+        assert "1e999" in path.read_text()
     else:
         table = json.loads(path.read_text())
         next(iter(table["entries"].values()))["tiers"]["1"]["stage1"]["block_k"] = 96
@@ -168,3 +183,29 @@ def test_each_tabled_backend_declares_its_table_kind_and_others_none(tables):
         if spec.user_table is None:
             with pytest.raises(ValueError, match=f"the {spec.name} backend reads no tile table"):
                 spec.table_kind()
+
+
+def test_a_damaged_table_is_refused_in_the_backends_own_lookup(tables, caplog, seed):
+    """The lookup the load-time self-check's first forward makes (TritonBackend.lookup, as `plan` calls
+    it): a user table of random bytes is said once with its path, and the packaged rule serves."""
+    import torch
+
+    from kimi_k3_moe.experts import Mxfp4Experts
+    from kimi_k3_moe.kernels import get_backend
+    from kimi_k3_moe.kernels.triton import backend as triton_backend
+
+    path = user_tables.write(tt.USER_TABLE, user_tables.device_identity(), TIERS, triton_entries())
+    path.write_bytes(bytes(random.Random(seed).randrange(128, 256) for _ in range(256)))
+    user_tables.clear_cache()
+    triton_backend._cached_lookup_inner.cache_clear()
+    g = torch.Generator().manual_seed(seed)
+    experts = Mxfp4Experts(torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, generator=g),
+                           torch.randint(118, 130, (E, 2 * I, H // 32), dtype=torch.uint8, generator=g),
+                           torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, generator=g),
+                           torch.randint(118, 130, (E, H, I // 32), dtype=torch.uint8, generator=g))
+    backend = get_backend("triton")
+    with caplog.at_level("WARNING", logger="kimi_k3_moe"):
+        found = backend.lookup(backend.prepare(experts), 3)
+    assert not found.source.startswith("user table")
+    lines = [r.getMessage() for r in caplog.records if "user table" in r.getMessage()]
+    assert len(lines) == 1 and str(path) in lines[0] and "not UTF-8 text" in lines[0], lines

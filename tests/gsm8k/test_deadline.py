@@ -99,3 +99,29 @@ def test_the_job_ends_on_time_and_keeps_what_finished(world, gsm8k):
     assert {world.test[e["id"]]["question"] for e in report["errors"]} == set(slow)
     assert all("no complete reply within 1 s" in e["error"] for e in report["errors"]), report["errors"]
     assert took < 10, took  # each trickled reply alone would take ~50 s (200 bytes x 0.25 s)
+
+
+def test_timeout_none_means_no_limit_and_the_job_finishes(world, gsm8k):
+    code, out, err = gsm8k(world.args("--timeout", "none", "--num-questions", "4"))
+    assert code == 0, out + err
+    assert Server("http://127.0.0.1:1", "completions", timeout_s=None).timeout_s is None
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--timeout", "nan", "give seconds in (0, 604800] (a week), or 'none' for no limit"),
+    ("--timeout", "1e9", "give seconds in (0, 604800]"),   # a thread timer raised OverflowError past ~1e8 s
+    ("--timeout", "0", "give seconds in (0, 604800]"),
+    ("--timeout", "soon", "'soon' is not a number"),
+    ("--retries", "1000000000", "--retries 1000000000: must be in [0, 100]"),
+    ("--concurrency", "99999999", "--concurrency 99999999: must be in [1, 4096]"),
+    ("--backoff", "1e308", "--backoff 1e+308: must be in (0, 3600] seconds"),
+    ("--baseline", "nan", "--baseline nan: must be a finite number"),
+])
+def test_numbers_it_cannot_hold_are_refused_in_one_line(world, gsm8k, capsys, flag, value, needle):
+    try:
+        code, out, err = gsm8k(world.args(flag, value))
+    except SystemExit as exc:  # argparse's usage error, as the command line would end
+        code, (out, err) = exc.code, capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kimi-k3-moe gsm8k: error: "), err
+    assert needle in lines[0], lines[0]

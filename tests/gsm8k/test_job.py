@@ -116,7 +116,7 @@ def test_usage_errors_exit_2(world, gsm8k, monkeypatch, tmp_path):
     code, _, err = gsm8k(world.args("--num-shots", "7"))
     assert code == 2 and "training split has 6 examples" in err
     code, _, err = gsm8k(world.args("--concurrency", "0"))
-    assert code == 2 and "--concurrency 0: must be at least 1" in err
+    assert code == 2 and "--concurrency 0: must be in [1, 4096]" in err
     code, _, err = gsm8k(["gsm8k", "--base-url", "localhost:8000", "--data-dir", world.data_dir])
     assert code == 2 and "not an http(s)://host[:port] URL" in err
     test_file = os.path.join(world.data_dir, "test.jsonl")

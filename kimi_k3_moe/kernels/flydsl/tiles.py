@@ -112,13 +112,17 @@ USER_TABLE = user_tables.TableKind("flydsl", _user_tiers, _check_user_entry)
 
 def user_tiers(arch: str, weight_format: str, hidden: int, inter: int, top_k: int):
     """{arch: tiers} from a user table for this exact shape on this GPU, else None."""
-    table, _ = user_tables.load(USER_TABLE)
+    table, path = user_tables.load(USER_TABLE)
     if table is None or table.get("target_arch") != arch:
         return None
     entry = table["entries"].get(shape_key(weight_format, hidden, inter, top_k))
     if entry is None:
         return None
-    return load_table({arch: [_user_row(r) for r in entry["tiers"]]})
+    try:  # checked for gfx950 when read; this arch's rules may refuse it
+        return load_table({arch: [_user_row(r) for r in entry["tiers"]]})
+    except user_tables.DATA_ERRORS as exc:
+        user_tables.refused(path, f"entry {shape_key(weight_format, hidden, inter, top_k)} cannot serve {arch}: {exc}")
+        return None
 
 
 def tier_for(arch: str, num_tokens: int, table: dict | None = None) -> Tier:

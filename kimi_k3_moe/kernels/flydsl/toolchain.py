@@ -32,9 +32,13 @@ def flydsl_version() -> str | None:
 
 
 def rocm_root(env=None) -> Path | None:
-    """A ROCm-like root whose llvm/bin/ld.lld exists: ours, then ROCM_PATH, then /opt/rocm."""
+    """A ROCm-like root whose llvm/bin/ld.lld exists: ours, then ROCM_PATH, then /opt/rocm. Ours, when
+    set, is the only one tried: a wrong value is refused (settings.SettingError), never replaced."""
     env = os.environ if env is None else env
-    for candidate in (env.get(ENV_ROCM), env.get("ROCM_PATH"), "/opt/rocm"):
+    ours = settings.linker_root(ENV_ROCM, env)
+    if ours is not None:
+        return Path(ours)
+    for candidate in (env.get("ROCM_PATH"), "/opt/rocm"):
         if candidate and (Path(candidate) / "llvm" / "bin" / "ld.lld").exists():
             return Path(candidate)
     return None

@@ -413,6 +413,16 @@ def lookup(dev_key: str, weight_format: str, num_experts: int, hidden: int, inte
     running = triton_version() if triton is None else triton
     # a valid user table (kimi-k3-moe tune, under this Triton) for exactly this device and shape comes first
     user = _user_entry(dev_key, weight_format, num_experts, 2 * inter, hidden) if table is None and user_table else None
+    if user is not None:
+        (key, entry), _ = user
+        tier = None
+        try:  # a user's file is data: one it validated but that cannot serve this call is refused, not raised
+            tier = pick_tier(tiers_of(entry), num_tokens)
+            MoEConfig.from_json(entry["tiers"][str(tier)]).for_target(is_cuda).validate(hidden, inter)
+        except user_tables.DATA_ERRORS as exc:
+            user_tables.refused(user_tables.load(USER_TABLE)[1], f"entry {key} tier {tier} cannot serve "
+                                f"H={hidden}, I={inter}: {exc}")
+            user = None
     version = running
     if user is not None:
         found, origin = user
