@@ -20,6 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from kimi_k3_moe.amd_archs import AMD_ARCHS, GFX942, GFX950, AmdArch
 from kimi_k3_moe.kernels.flydsl import artifacts
 
 # Issue cycles of one wave64 instruction on a 16-lane SIMD. MFMA: 16 cycles for the bf16
@@ -257,12 +258,16 @@ class Device:
     cus: int
     clock_ghz: float
     peak_tbs: float
-    simds: int = artifacts.SIMDS_PER_CU
+    simds: int
+
+    @classmethod
+    def of(cls, t: AmdArch) -> "Device":
+        """The product an arch's traits name, with AMD's published CU count, clock and HBM peak."""
+        return cls(t.product, t.arch, t.cus, t.clock_ghz, t.hbm_tbs, t.simds_per_cu)
 
 
-MI355X = Device("MI355X", "gfx950", 256, 2.4, 8.0)
-MI300X = Device("MI300X", "gfx942", 304, 2.1, 5.3)
-DEVICES = {d.arch: d for d in (MI355X, MI300X)}
+DEVICES = {arch: Device.of(t) for arch, t in AMD_ARCHS.items()}
+MI355X, MI300X = DEVICES[GFX950.arch], DEVICES[GFX942.arch]
 
 
 @dataclass(frozen=True)
