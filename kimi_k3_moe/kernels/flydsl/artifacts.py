@@ -2,7 +2,7 @@
 
 Pure Python (no flydsl import): it reads the ELF code object FlyDSL produced,
 decodes its NT_AMDGPU_METADATA note (msgpack), counts instructions in the ISA
-text, and estimates occupancy from registers and LDS (platform.LDS_PER_CU). Used by the compile
+text, and estimates occupancy from registers and LDS (amd_archs traits). Used by the compile
 driver, the CI checks and the resource table in docs/PERF.md.
 """
 from __future__ import annotations
@@ -10,10 +10,8 @@ from __future__ import annotations
 import re
 import struct
 
-from kimi_k3_moe.platform import LDS_PER_CU
+from kimi_k3_moe.amd_archs import traits
 
-MAX_WAVES_PER_SIMD = 8
-SIMDS_PER_CU = 4
 REGISTERS_PER_LANE = 512   # unified arch VGPR + AGPR file on gfx90a and later
 REGISTER_GRANULE = 8
 
@@ -26,7 +24,7 @@ def expected_mfma(cfg) -> set[str]:
         return set()
     if cfg.quantized:
         return {SCALED_MFMA}
-    return {f"v_mfma_f32_{cfg.mfma}_bf16"}   # the arch's bf16 MFMA (config.MFMA)
+    return {f"v_mfma_f32_{cfg.mfma}_bf16"}   # the arch's bf16 MFMA (amd_archs traits)
 
 _MFMA_RE = re.compile(r"^\s*(v_mfma\w*|v_smfmac\w*)\s", re.M)
 _SCRATCH_RE = re.compile(r"^\s*scratch_(load|store)\w*\s", re.M)
@@ -211,7 +209,7 @@ def token_sum_ordering(isa: str) -> list[str]:
 
 def k_loop_loads_after_first_barrier(isa: str) -> int:
     """Global loads the K loop issues after its first `s_barrier` (the staged tile's): 0 when every
-    load of an iteration is in flight before the wave waits for the tile (`KernelConfig.load_first`)."""
+    load of an iteration is in flight before the wave waits for the tile (`KLoop.LDS_LOAD_FIRST`)."""
     body = k_loop_body(isa).splitlines()
     first = next((i for i, line in enumerate(body) if re.match(r"^\s*s_barrier\b", line)), len(body))
     return sum(1 for line in body[first:] if _GLOBAL_LOAD_RE.match(line))
@@ -227,12 +225,13 @@ def occupancy(arch: str, *, vgpr: int, agpr: int, accum_offset: int | None, lds_
     """
     base = accum_offset if (agpr and accum_offset) else vgpr
     regs = max(REGISTER_GRANULE, -(-(base + (agpr or 0)) // REGISTER_GRANULE) * REGISTER_GRANULE)
-    by_regs = min(MAX_WAVES_PER_SIMD, REGISTERS_PER_LANE // regs)
+    t = traits(arch)
+    by_regs = min(t.max_waves_per_simd, REGISTERS_PER_LANE // regs)
     if lds_bytes:
-        groups = LDS_PER_CU[arch] // lds_bytes
-        by_lds = min(MAX_WAVES_PER_SIMD, groups * waves_per_workgroup // SIMDS_PER_CU)
+        groups = t.lds_bytes // lds_bytes
+        by_lds = min(t.max_waves_per_simd, groups * waves_per_workgroup // t.simds_per_cu)
     else:
-        by_lds = MAX_WAVES_PER_SIMD
+        by_lds = t.max_waves_per_simd
     return {"registers": regs, "waves_by_regs": by_regs, "waves_by_lds": by_lds,
             "waves_per_simd": min(by_regs, by_lds)}
 
@@ -260,8 +259,8 @@ def k_loop_body(isa: str) -> str:
 
 def weights_per_iteration(cfg) -> int:
     """Weights one wave streams per K-loop iteration: its weight rows x 128 x kb_unroll."""
-    tiles = cfg.n_rep * (2 if cfg.stage == 1 else 1)          # stage 1: gate and up rows
-    return tiles * 16 * 128 * cfg.kb_unroll
+    tiles = cfg.tile.n_rep * (2 if cfg.stage == 1 else 1)          # stage 1: gate and up rows
+    return tiles * 16 * 128 * cfg.tile.kb_unroll
 
 
 def valu_per_1k_weights(isa: str, cfg) -> float:
