@@ -209,7 +209,7 @@ def token_sum_ordering(isa: str) -> list[str]:
 
 def k_loop_loads_after_first_barrier(isa: str) -> int:
     """Global loads the K loop issues after its first `s_barrier` (the staged tile's): 0 when every
-    load of an iteration is in flight before the wave waits for the tile (`KLoop.LDS_LOAD_FIRST`)."""
+    load of an iteration is in flight before the wave waits for the tile (a load_first schedule)."""
     body = k_loop_body(isa).splitlines()
     first = next((i for i, line in enumerate(body) if re.match(r"^\s*s_barrier\b", line)), len(body))
     return sum(1 for line in body[first:] if _GLOBAL_LOAD_RE.match(line))

@@ -270,10 +270,11 @@ class FlyKernelConfig:
 
     def __post_init__(self) -> None:
         check_arch(self.arch)
-        for name, kind in (("shape", GemmShape), ("rows", RowBlocks), ("tile", Tile),
-                           ("epilogue", (Activation, Reduction))):
-            if not isinstance(getattr(self, name), kind):
-                raise ValueError(f"FlyKernelConfig.{name} must be a {kind}, got {getattr(self, name)!r}")
+        for name, kinds in (("shape", (GemmShape,)), ("rows", (RowBlocks,)), ("tile", (Tile,)),
+                            ("epilogue", (Activation, Reduction))):
+            if not isinstance(getattr(self, name), kinds):
+                raise ValueError(f"FlyKernelConfig.{name} must be a {' or '.join(k.__name__ for k in kinds)}, "
+                                 f"got {getattr(self, name)!r}")
         if self.weight_format not in supported_weight_formats(self.arch):
             raise ValueError(f"weight_format {self.weight_format!r} is not built for {self.arch}; "
                              f"choose one of {supported_weight_formats(self.arch)}")
@@ -292,8 +293,8 @@ class FlyKernelConfig:
         if K % step:
             raise ValueError(f"K={K} is not a multiple of {step} (128 x kb_unroll {tile.kb_unroll})")
         if tile.schedule.staged and (self.BM * 16 * tile.kb_unroll) % (tile.waves * layout.LANES):
-            raise ValueError(f"{tile.schedule.value}: the staged tile's {self.BM * 16 * tile.kb_unroll} 16-byte chunks "
-                             f"must split evenly over {tile.waves * layout.LANES} threads")
+            raise ValueError(f"{tile.schedule.value}: the staged tile's {self.BM * 16 * tile.kb_unroll} 16-byte "
+                             f"chunks must split evenly over {tile.waves * layout.LANES} threads")
         iters = K // (step * self.reduction.split_k)
         if tile.k_waves > 1 and iters % tile.k_waves:
             raise ValueError(f"k_waves={tile.k_waves} does not divide the {iters} K iterations "

@@ -33,6 +33,7 @@ import functools
 import torch
 
 from kimi_k3_moe.act_quant import FP4, FP8
+from kimi_k3_moe.amd_archs import traits
 from kimi_k3_moe.experts.format import INT4, MXFP4
 from kimi_k3_moe.formats import fp8, mxfp4
 from kimi_k3_moe.kernels.flydsl import layout as L
@@ -155,21 +156,15 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-def _mfma(acc: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor) -> torch.Tensor:
-    """16x16 tile: lane 16g+i gives A[i][8g+t] = a8[lane, t] and B[8g+t][i] = b8[lane, t]."""
-    a = a8.view(4, 16, 8).permute(1, 0, 2).reshape(16, 32)
-    b = b8.view(4, 16, 8).permute(0, 2, 1).reshape(32, 16)
-    return acc + a @ b
-
-
 def _mfma_issues(cfg: FlyKernelConfig, acc: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor) -> torch.Tensor:
-    """The kernels' D.mma: one 16x16x32 on gfx950; on gfx942 two chained 16x16x16 issues
+    """The kernels' D.mma on the arch's bf16 MFMA (amd_archs traits). A 16x16x32 tile: lane 16g+i
+    gives A[i][8g+t] = a8[lane, t] and B[8g+t][i] = b8[lane, t]; 16x16xK takes K/4 of each lane's
+    8 values per issue, so one 16x16x32 on gfx950 and on gfx942 two chained 16x16x16 issues
     (values t < 4, then t >= 4 of each lane), each adding its fp32 sum to the accumulator."""
-    if cfg.mfma == "16x16x32":
-        return _mfma(acc, a8, b8)
-    for h in range(2):
-        a = a8[:, 4 * h:4 * h + 4].reshape(4, 16, 4).permute(1, 0, 2).reshape(16, 16)
-        b = b8[:, 4 * h:4 * h + 4].reshape(4, 16, 4).permute(0, 2, 1).reshape(16, 16)
+    per = traits(cfg.arch).mfma_k // 4
+    for h in range(8 // per):
+        a = a8[:, per * h:per * h + per].reshape(4, 16, per).permute(1, 0, 2).reshape(16, 4 * per)
+        b = b8[:, per * h:per * h + per].reshape(4, 16, per).permute(0, 2, 1).reshape(4 * per, 16)
         acc = acc + a @ b
     return acc
 
@@ -478,7 +473,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                     for wi in range(len(w_rows)):
                         w8 = _dequant8(wq[wi][:, j], sc[wi])
                         for mi in range(m_rep):
-                            accs[wi * m_rep + mi] = _mfma(accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
+                            accs[wi * m_rep + mi] = _mfma_issues(cfg, accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
 
     joined = {(wave, wave_k): accs for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves}
     summed = _reduce_k_waves(cfg, joined, g, r)

@@ -259,11 +259,12 @@ class Device:
     clock_ghz: float
     peak_tbs: float
     simds: int
+    mfma_cycles: int = MFMA_CYCLES
 
     @classmethod
     def of(cls, t: AmdArch) -> "Device":
         """The product an arch's traits name, with AMD's published CU count, clock and HBM peak."""
-        return cls(t.product, t.arch, t.cus, t.clock_ghz, t.hbm_tbs, t.simds_per_cu)
+        return cls(t.product, t.arch, t.cus, t.clock_ghz, t.hbm_tbs, t.simds_per_cu, t.mfma_cycles)
 
 
 DEVICES = {arch: Device.of(t) for arch, t in AMD_ARCHS.items()}
@@ -300,7 +301,8 @@ class LaunchTime:
 def launch_time(launch: Launch, device: Device, params: Params, wave: WaveTime | None = None) -> LaunchTime:
     k = launch.kernel
     if wave is None:
-        wave = simulate(k, params.latency_ns * device.clock_ghz, loop_trips(k, launch.mfma_per_wave))
+        wave = simulate(k, params.latency_ns * device.clock_ghz, loop_trips(k, launch.mfma_per_wave),
+                        mfma_cycles=device.mfma_cycles)
     occ = artifacts.occupancy(device.arch, vgpr=k.vgpr, agpr=k.agpr, accum_offset=k.accum_offset,
                               lds_bytes=k.lds_bytes, waves_per_workgroup=k.waves_per_workgroup)
     per_cu = max(1, occ["waves_per_simd"] * device.simds // k.waves_per_workgroup)

@@ -25,6 +25,12 @@ def finish(cfg, accs, args: KernelArgs, ops: Operands, at: Place):
         _epilogue(cfg, accs, args, ops.slots, ops.p_rows, at)
 
 
+def _inter_rows(cfg, args: KernelArgs):
+    """Stage 1's bf16 output rows [P * I] and the activation's parameters."""
+    ry = D.rsrc(fx.get_iter(args.Y), fx.Int64(args.num_rows) * (cfg.shape.N * 2))
+    return ry, D.activation_params(cfg, args.beta, args.lin_beta)
+
+
 def _epilogue_quantized(cfg, accs, args: KernelArgs, p_rows, at: Place):
     """Stage 1, quantized output: activation in fp32, then per 32 columns (sub-tiles 2c, 2c+1 of a
     wave, lanes r + 16g') an e8m0 byte and 4 codes per lane and sub-tile."""
@@ -62,8 +68,7 @@ def _epilogue_int4(cfg, accs, args: KernelArgs, rsid, at: Place, r):
     m_rep = cfg.BM // L.MFMA_TILE
     N = cfg.shape.N
     if cfg.stage == 1:
-        ry = D.rsrc(fx.get_iter(Y), fx.Int64(args.num_rows) * (N * 2))
-        params = D.activation_params(cfg, args.beta, args.lin_beta)
+        ry, params = _inter_rows(cfg, args)
     else:
         rtw = D.rsrc(fx.get_iter(TW), fx.Int64(num_tokens) * (cfg.shape.top_k * 4))  # padding slot reads 0
         per_token = cfg.shape.top_k * N * 2 if cfg.slot_rows else N * 4
@@ -101,8 +106,7 @@ def _epilogue(cfg, accs, args: KernelArgs, slots, p_rows, at: Place):
     m_rep = cfg.BM // L.MFMA_TILE
     N = cfg.shape.N
     if cfg.stage == 1:
-        ry = D.rsrc(fx.get_iter(Y), fx.Int64(args.num_rows) * (N * 2))
-        params = D.activation_params(cfg, args.beta, args.lin_beta)
+        ry, params = _inter_rows(cfg, args)
         for ni in range(cfg.tile.n_rep):
             n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.tile.n_rep)[1]
             for mi in range(m_rep):
