@@ -7,6 +7,11 @@ is no other rule and no heuristic: every count >= 1 gets exactly one tier, and
 `stage_configs` fits that tier's tile to the layer's shape (same rules on every
 path: narrower tiles when N is not a multiple of the tile width, never an error
 for a shape the kernels can serve).
+
+A tier's stage tile is a `config.Tile`; its JSON row names waves, n_rep, kb_unroll and
+the K-loop `schedule` (optionally k_waves and waves_per_eu). Rows written before the
+schedule (a_lds / prefetch / load_first booleans, e.g. older `kimi-k3-moe tune` tables)
+are read as the same tiles.
 """
 from __future__ import annotations
 
