@@ -11,8 +11,8 @@ from fly_helpers import SILU, SITU, kernel_config
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.flydsl import tiles
-from kimi_k3_moe.kernels.flydsl.config import (KLoop, QuantConfig, Tile, UnsupportedArchError, config_from_json,
-                                                config_to_json)
+from kimi_k3_moe.kernels.flydsl.build import config_from_json, config_to_json
+from kimi_k3_moe.kernels.flydsl.config import KLoop, QuantConfig, Tile, UnsupportedArchError
 from kimi_k3_moe.kernels.flydsl.sweep import K3_HIDDEN, K3_INTER_TP8, K3_TOP_K, ci_configs
 
 K3 = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
@@ -52,9 +52,9 @@ def test_token_count_must_be_a_positive_int(bad):
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t["gfx942"].__setitem__(-1, {**t["gfx942"][-1], "max_tokens": 99999}), "last tier"),
     (lambda t: t["gfx942"][0].__setitem__("max_tokens", 4096), "strictly increasing"),
-    (lambda t: t["gfx942"][0]["stage1"].pop("schedule"), "stage1 must set"),
+    (lambda t: t["gfx942"][0]["stage1"].pop("schedule"), "stage1: a tile must set"),
     (lambda t: t["gfx942"][0]["stage1"].__setitem__("schedule", "lds_sometimes"), "schedule 'lds_sometimes' is not"),
-    (lambda t: t["gfx942"][0]["stage1"].__setitem__("a_lds", True), "either schedule or"),
+    (lambda t: t["gfx942"][0]["stage1"].__setitem__("a_lds", True), "stage1: a tile sets either schedule or"),
     (lambda t: t["gfx942"][0]["stage1"].__setitem__("waves", 0), "Tile.waves must be a positive int"),
     (lambda t: t["gfx950"][1].__setitem__("BM", 128), "BM=128"),
     (lambda t: t.__setitem__("gfx90a", t["gfx942"]), "gfx90a"),
@@ -244,7 +244,7 @@ def test_tables_written_before_the_schedule_are_read_as_the_same_tiles():
                     tile["prefetch" if schedule.prefetch else "load_first"] = True
     assert tiles.load_table(legacy) == tiles.default_table()
     assert Tile.from_row({"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": False}) == Tile()
-    with pytest.raises(ValueError, match="must set a_lds"):
+    with pytest.raises(ValueError, match="either schedule or a_lds"):
         Tile.from_row({"waves": 4, "n_rep": 2, "kb_unroll": 1, "prefetch": True})
 
 

@@ -4,7 +4,7 @@ driver CI and benchmarks/flydsl_resources.py use.
 An instruction the target lacks aborts LLVM (SIGABRT, "Cannot select"), so the
 driver compiles each configuration in its own process:
 
-    python -m kimi_k3_moe.kernels.flydsl.build --config '<config.config_to_json(cfg)>' --out DIR
+    python -m kimi_k3_moe.kernels.flydsl.build --config '<config_to_json(cfg)>' --out DIR
 
 writes DIR/<name>.{hsaco,s,json} and prints one `REPORT {json}` line.
 """
@@ -18,12 +18,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.kernels.flydsl import artifacts
-from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, QuantConfig, config_from_json, config_to_json
+from kimi_k3_moe.kernels.flydsl.config import (Activation, FlyKernelConfig, GemmShape, KLoop, QuantConfig, Reduction,
+                                                RowBlocks, Tile)
 from kimi_k3_moe.kernels.flydsl.toolchain import compile_env
 
 
@@ -57,6 +58,29 @@ def placeholder_args(cfg: FlyKernelConfig | QuantConfig) -> tuple:
     else:
         extra = ()
     return (*tensors, *extra, 1, cfg.BM, 4.0, 25.0)
+
+
+def config_to_json(cfg: FlyKernelConfig | QuantConfig) -> str:
+    """The config as JSON (the compile child's argument, the build report's "config"), with its stage."""
+    if isinstance(cfg, QuantConfig):
+        return json.dumps({"stage": 0, **asdict(cfg)}, sort_keys=True)
+    out = asdict(replace(cfg, epilogue=Reduction()))
+    out["tile"]["schedule"] = cfg.tile.schedule.value
+    out["epilogue"] = asdict(cfg.epilogue)
+    return json.dumps({"stage": cfg.stage, **out}, sort_keys=True)
+
+
+def config_from_json(text: str) -> FlyKernelConfig | QuantConfig:
+    data = json.loads(text)
+    stage = data.pop("stage")
+    if stage == 0:
+        return QuantConfig(**data)
+    epilogue = (Activation if stage == 1 else Reduction)(**data.pop("epilogue"))
+    tile = data.pop("tile")
+    tile["schedule"] = KLoop(tile["schedule"])
+    return FlyKernelConfig(**{**data, "shape": GemmShape(**data["shape"]), "rows": RowBlocks(**data["rows"]),
+                              "tile": Tile(**tile), "epilogue": epilogue})
+
 
 
 # ------------------------------------------------------------------ in the child process
@@ -128,7 +152,7 @@ def compile_here(cfg: FlyKernelConfig | QuantConfig, out_dir: str | os.PathLike)
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="compile one FlyDSL MoE kernel (compile-only)")
-    parser.add_argument("--config", required=True, help="config.config_to_json of a FlyKernelConfig or QuantConfig")
+    parser.add_argument("--config", required=True, help="config_to_json of a FlyKernelConfig or QuantConfig")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     report = compile_here(config_from_json(args.config), args.out)

@@ -13,9 +13,8 @@ read MXFP4 weights, ...). Nothing wrong with a config is found at launch.
 """
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from kimi_k3_moe.act_quant import BF16, FP8
@@ -25,7 +24,7 @@ from kimi_k3_moe.experts.format import INT4, MXFP4
 from kimi_k3_moe.kernels.flydsl import layout, supported_act_dtypes, supported_weight_formats
 
 __all__ = ["Activation", "FlyKernelConfig", "GemmShape", "KLoop", "QuantConfig", "Reduction", "RowBlocks",
-           "Tile", "UnsupportedArchError", "check_arch", "config_from_json", "config_to_json", "runtime_betas"]
+           "Tile", "UnsupportedArchError", "check_arch", "runtime_betas"]
 
 ACTIVATIONS = (SILU, SITUV2)
 BETA_MODES = ("const", "runtime")
@@ -138,29 +137,32 @@ class Tile:
 
     @classmethod
     def from_row(cls, row: dict, where: str = "tile") -> "Tile":
-        """A table entry; tables written before the KLoop (a_lds/prefetch/load_first) are read too."""
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: a tile is a JSON object, got {row!r}")
-        row = dict(row)
-        legacy = [k for k in LEGACY_TILE_FLAGS if k in row]
-        if legacy:
-            if "schedule" in row:
-                raise ValueError(f"{where}: give either schedule or {legacy}, not both")
-            if "a_lds" not in row:
-                raise ValueError(f"{where}: a tile without schedule must set a_lds")
-            flags = [row.pop(k, False) for k in LEGACY_TILE_FLAGS]
-            if not all(isinstance(f, bool) for f in flags):
-                raise ValueError(f"{where}: {LEGACY_TILE_FLAGS} must be true or false, got {flags}")
-            row["schedule"] = KLoop.from_flags(*flags).value
-        wanted, allowed = {"waves", "n_rep", "kb_unroll", "schedule"}, {"k_waves", "waves_per_eu"}
-        if not wanted <= set(row) <= wanted | allowed:
-            raise ValueError(f"{where} must set {sorted(wanted)} (optionally {sorted(allowed)}), got {sorted(row)}")
+        """A table entry; tables written before the KLoop (a_lds/prefetch/load_first) are read too.
+        Anything wrong is one line naming `where`."""
         try:
-            row["schedule"] = KLoop(row["schedule"])
-        except ValueError:
-            raise ValueError(f"{where}: schedule {row['schedule']!r} is not one of "
-                             f"{[s.value for s in KLoop]}") from None
-        return cls(**row)
+            return cls(**_tile_fields(row))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+def _tile_fields(row: dict) -> dict:
+    if not isinstance(row, dict):
+        raise ValueError(f"a tile is a JSON object, got {row!r}")
+    row = dict(row)
+    legacy = [k for k in LEGACY_TILE_FLAGS if k in row]
+    if legacy:
+        if "schedule" in row or "a_lds" not in row:
+            raise ValueError(f"a tile sets either schedule or a_lds (with prefetch, load_first), got {sorted(row)}")
+        flags = [row.pop(k, False) for k in LEGACY_TILE_FLAGS]
+        if not all(isinstance(f, bool) for f in flags):
+            raise ValueError(f"{LEGACY_TILE_FLAGS} must be true or false, got {flags}")
+        row["schedule"] = KLoop.from_flags(*flags).value
+    wanted, allowed = {"waves", "n_rep", "kb_unroll", "schedule"}, {"k_waves", "waves_per_eu"}
+    if not wanted <= set(row) <= wanted | allowed:
+        raise ValueError(f"a tile must set {sorted(wanted)} (optionally {sorted(allowed)}), got {sorted(row)}")
+    if row["schedule"] not in {s.value for s in KLoop}:
+        raise ValueError(f"schedule {row['schedule']!r} is not one of {[s.value for s in KLoop]}")
+    return {**row, "schedule": KLoop(row["schedule"])}
 
 
 @dataclass(frozen=True)
@@ -462,28 +464,6 @@ class QuantConfig:
     @property
     def name(self) -> str:
         return f"k3moe_q_{self.arch}_{self.act_dtype}_w{self.waves}"
-
-
-def config_to_json(cfg: FlyKernelConfig | QuantConfig) -> str:
-    """The config as JSON (the compile child's argument, the build report's "config"), with its stage."""
-    if isinstance(cfg, QuantConfig):
-        return json.dumps({"stage": 0, **asdict(cfg)}, sort_keys=True)
-    out = asdict(replace(cfg, epilogue=Reduction()))
-    out["tile"]["schedule"] = cfg.tile.schedule.value
-    out["epilogue"] = asdict(cfg.epilogue)
-    return json.dumps({"stage": cfg.stage, **out}, sort_keys=True)
-
-
-def config_from_json(text: str) -> FlyKernelConfig | QuantConfig:
-    data = json.loads(text)
-    stage = data.pop("stage")
-    if stage == 0:
-        return QuantConfig(**data)
-    epilogue = (Activation if stage == 1 else Reduction)(**data.pop("epilogue"))
-    tile = data.pop("tile")
-    tile["schedule"] = KLoop(tile["schedule"])
-    return FlyKernelConfig(**{**data, "shape": GemmShape(**data["shape"]), "rows": RowBlocks(**data["rows"]),
-                              "tile": Tile(**tile), "epilogue": epilogue})
 
 
 def runtime_betas(spec: ActivationSpec) -> tuple[float, float]:
