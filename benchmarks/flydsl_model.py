@@ -35,14 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flydsl_model_data as aiter_rows  # noqa: E402
 
+from kimi_k3_moe.amd_archs import AMD_ARCHS  # noqa: E402
 from k3lab.flydsl import isa_model  # noqa: E402
 from k3lab.flydsl.isa_model import Launch, Params  # noqa: E402
 
 H, I, E, TOP_K = 3584, 384, 896, 16          # Kimi-K3 routed experts, per rank at TP8
 TIERS = (1, 4, 16, 64, 128, 256, 1024, 4096, 16384)
-FORMAT = {"gfx950": "mxfp4", "gfx942": "int4"}
+FORMAT = {arch: t.weight_formats[0] for arch, t in AMD_ARCHS.items()}
 SCALE_BYTES = {"mxfp4": 1, "int4": 2}          # per 32 weights: e8m0 byte, bf16 group scale
-MFMA_K = {"gfx950": 32, "gfx942": 16}
+MFMA_K = {arch: t.mfma_k for arch, t in AMD_ARCHS.items()}
 SCALED_MFMA_K = 128                            # gfx950's scaled fp8/fp4 MFMA, 16x16x128
 ACT_BYTES = {"bf16": 2.0, "fp8": 1 + 1 / 32, "fp4": 0.5 + 1 / 32}   # per activation, e8m0 per 32 included
 # constants of the fit below (docs/FLYDSL.md); used when aiter's source is absent
@@ -160,13 +161,13 @@ def mfma_per_wave(mfma_k: int, bm: int, cols: int, k: int, waves: int, int4_tile
 
 def int4_tiles(cfg) -> int:
     """Weight tiles per wave of an int4 kernel (gate and up on stage 1), 0 for MXFP4."""
-    return cfg.n_rep * (2 if cfg.stage == 1 else 1) if cfg.weight_format == "int4" else 0
+    return cfg.tile.n_rep * (2 if cfg.stage == 1 else 1) if cfg.weight_format == "int4" else 0
 
 
 def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto", act_dtype: str = "bf16") -> list[Launch]:
     s1, s2 = our_configs(arch, tokens, reduce, act_dtype)
     weight_format = FORMAT[arch]
-    if s1.direct:   # one block per (token, slot) pair, each reading its expert's weights
+    if s1.rows.direct:   # one block per (token, slot) pair, each reading its expert's weights
         blocks = d = tokens * TOP_K
     else:
         blocks, d = expected_blocks(tokens, s1.BM), distinct_experts(tokens)
@@ -185,7 +186,7 @@ def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto", ac
                d * weight_bytes(weight_format, H, I) + rows * I * a + rows * 4
                + (tokens * TOP_K * H * 2 if s2.slot_rows else tokens * H * 4)
                + (token_sum_bytes(s2, tokens) if s2.sums_tokens else 0),
-               mfma_per_wave(mk, s2.BM, s2.BN, I // s2.split_k, s2.workgroup_waves, int4_tiles(s2))),
+               mfma_per_wave(mk, s2.BM, s2.BN, I // s2.reduction.split_k, s2.workgroup_waves, int4_tiles(s2))),
     ]
 
 

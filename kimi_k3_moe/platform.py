@@ -16,16 +16,16 @@ from functools import lru_cache
 
 import torch
 
-from kimi_k3_moe.act_quant import BF16, FP4, FP8
+from kimi_k3_moe.act_quant import BF16, FP8
+from kimi_k3_moe.amd_archs import AMD_ARCHS
 from kimi_k3_moe.experts.format import INT4, MXFP4
 
-FLYDSL_ARCHS = ("gfx942", "gfx950")   # archs with FlyDSL kernels
-INT4_ARCHS = ("gfx942",)              # no FP4 matrix instructions: experts requantised to int4
+FLYDSL_ARCHS = tuple(AMD_ARCHS)       # archs with FlyDSL kernels (amd_archs: one traits object each)
+INT4_ARCHS = tuple(a for a, t in AMD_ARCHS.items() if MXFP4 not in t.weight_formats)   # experts requantised
 TRITON_MIN_SM = 80
 FP8_MIN_SM = 89                       # e4m3 x e4m3 MMA (sm_89, sm_90 and newer)
 PDL_MIN_SM = 90                       # programmatic dependent launch (griddepcontrol)
-_SCALED_MFMA_ARCHS = ("gfx950",)      # v_mfma_scale_f32_*_f8f6f4: fp8/fp4 operands with e8m0 scales
-LDS_PER_CU = {"gfx942": 64 * 1024, "gfx950": 160 * 1024}   # CDNA3 64 KiB, CDNA4 160 KiB
+LDS_PER_CU = {a: t.lds_bytes for a, t in AMD_ARCHS.items()}
 SHARED_PER_BLOCK = {"sm_90": 227 * 1024, **LDS_PER_CU}     # what one block may use (H100/H200: 227 KB)
 
 
@@ -109,15 +109,15 @@ def detect_platform(device: int = 0) -> Platform:
 
 
 def weight_formats(arch: str | None) -> tuple[str, ...]:
-    """4-bit weight formats kernels on `arch` can read, the one it multiplies first: int4 alone
-    where there is no FP4 path (INT4_ARCHS), else MXFP4 and int4 (decoded with integer ops)."""
-    return (INT4,) if arch in INT4_ARCHS else (MXFP4, INT4)
+    """4-bit weight formats kernels on `arch` can read, the one it multiplies first: an AMD arch's
+    traits say (int4 alone where there is no FP4 path), elsewhere MXFP4 and int4 (integer decode)."""
+    return AMD_ARCHS[arch].weight_formats if arch in AMD_ARCHS else (MXFP4, INT4)
 
 
 def hardware_act_dtypes(arch: str | None) -> tuple[str, ...]:
     """Activation dtypes whose matrix instructions `arch` has (bf16 everywhere)."""
-    if arch in _SCALED_MFMA_ARCHS:
-        return (BF16, FP8, FP4)
+    if arch in AMD_ARCHS:
+        return AMD_ARCHS[arch].act_dtypes
     if sm_version(arch) >= FP8_MIN_SM:
         return (BF16, FP8)
     return (BF16,)

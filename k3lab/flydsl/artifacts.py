@@ -1,6 +1,6 @@
 """What a compiled FlyDSL kernel's ISA shows, beyond the compile report: the K loop's shape (its
 waits, its loads, its VALU per weight), the top-k sum's memory ordering, the MFMAs a config must
-use, and the occupancy its registers and LDS allow (platform.LDS_PER_CU).
+use, and the occupancy its registers and LDS allow (amd_archs traits).
 
 Pure Python (no flydsl import). The compile report itself (code object metadata, instruction
 counts) is kimi_k3_moe/kernels/flydsl/code_object.py; `compile_summary` adds these figures to the
@@ -11,11 +11,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kimi_k3_moe.amd_archs import traits
 from kimi_k3_moe.kernels.flydsl.code_object import MFMA_RE
-from kimi_k3_moe.platform import LDS_PER_CU
 
-MAX_WAVES_PER_SIMD = 8
-SIMDS_PER_CU = 4
 REGISTERS_PER_LANE = 512   # unified arch VGPR + AGPR file on gfx90a and later
 REGISTER_GRANULE = 8
 
@@ -28,7 +26,7 @@ def expected_mfma(cfg) -> set[str]:
         return set()
     if cfg.quantized:
         return {SCALED_MFMA}
-    return {f"v_mfma_f32_{cfg.mfma}_bf16"}   # the arch's bf16 MFMA (config.MFMA)
+    return {f"v_mfma_f32_{cfg.mfma}_bf16"}   # the arch's bf16 MFMA (amd_archs traits)
 
 _LABEL_RE = re.compile(r"^(\.LBB\w+):", re.M)
 _GLOBAL_LOAD_RE = re.compile(r"^\s*(buffer_load|global_load)\w*\s")
@@ -103,7 +101,7 @@ def token_sum_ordering(isa: str) -> list[str]:
 
 def k_loop_loads_after_first_barrier(isa: str) -> int:
     """Global loads the K loop issues after its first `s_barrier` (the staged tile's): 0 when every
-    load of an iteration is in flight before the wave waits for the tile (`KernelConfig.load_first`)."""
+    load of an iteration is in flight before the wave waits for the tile (a load_first schedule)."""
     body = k_loop_body(isa).splitlines()
     first = next((i for i, line in enumerate(body) if re.match(r"^\s*s_barrier\b", line)), len(body))
     return sum(1 for line in body[first:] if _GLOBAL_LOAD_RE.match(line))
@@ -119,12 +117,13 @@ def occupancy(arch: str, *, vgpr: int, agpr: int, accum_offset: int | None, lds_
     """
     base = accum_offset if (agpr and accum_offset) else vgpr
     regs = max(REGISTER_GRANULE, -(-(base + (agpr or 0)) // REGISTER_GRANULE) * REGISTER_GRANULE)
-    by_regs = min(MAX_WAVES_PER_SIMD, REGISTERS_PER_LANE // regs)
+    t = traits(arch)
+    by_regs = min(t.max_waves_per_simd, REGISTERS_PER_LANE // regs)
     if lds_bytes:
-        groups = LDS_PER_CU[arch] // lds_bytes
-        by_lds = min(MAX_WAVES_PER_SIMD, groups * waves_per_workgroup // SIMDS_PER_CU)
+        groups = t.lds_bytes // lds_bytes
+        by_lds = min(t.max_waves_per_simd, groups * waves_per_workgroup // t.simds_per_cu)
     else:
-        by_lds = MAX_WAVES_PER_SIMD
+        by_lds = t.max_waves_per_simd
     return {"registers": regs, "waves_by_regs": by_regs, "waves_by_lds": by_lds,
             "waves_per_simd": min(by_regs, by_lds)}
 
@@ -151,8 +150,8 @@ def k_loop_body(isa: str) -> str:
 
 def weights_per_iteration(cfg) -> int:
     """Weights one wave streams per K-loop iteration: its weight rows x 128 x kb_unroll."""
-    tiles = cfg.n_rep * (2 if cfg.stage == 1 else 1)          # stage 1: gate and up rows
-    return tiles * 16 * 128 * cfg.kb_unroll
+    tiles = cfg.tile.n_rep * (2 if cfg.stage == 1 else 1)          # stage 1: gate and up rows
+    return tiles * 16 * 128 * cfg.tile.kb_unroll
 
 
 def valu_per_1k_weights(isa: str, cfg) -> float:

@@ -33,10 +33,11 @@ import functools
 import torch
 
 from kimi_k3_moe.act_quant import FP4, FP8
+from kimi_k3_moe.amd_archs import traits
 from kimi_k3_moe.experts.format import INT4, MXFP4
 from kimi_k3_moe.formats import fp8, mxfp4
 from kimi_k3_moe.kernels.flydsl import layout as L
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
+from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, QuantConfig
 
 NO_RANGE = 0xFFFFFFFF
 I32_MAX = 2**31 - 1
@@ -155,21 +156,15 @@ def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-def _mfma(acc: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor) -> torch.Tensor:
-    """16x16 tile: lane 16g+i gives A[i][8g+t] = a8[lane, t] and B[8g+t][i] = b8[lane, t]."""
-    a = a8.view(4, 16, 8).permute(1, 0, 2).reshape(16, 32)
-    b = b8.view(4, 16, 8).permute(0, 2, 1).reshape(32, 16)
-    return acc + a @ b
-
-
-def _mfma_issues(cfg: KernelConfig, acc: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor) -> torch.Tensor:
-    """The kernels' D.mma: one 16x16x32 on gfx950; on gfx942 two chained 16x16x16 issues
+def _mfma_issues(cfg: FlyKernelConfig, acc: torch.Tensor, a8: torch.Tensor, b8: torch.Tensor) -> torch.Tensor:
+    """The kernels' D.mma on the arch's bf16 MFMA (amd_archs traits). A 16x16x32 tile: lane 16g+i
+    gives A[i][8g+t] = a8[lane, t] and B[8g+t][i] = b8[lane, t]; 16x16xK takes K/4 of each lane's
+    8 values per issue, so one 16x16x32 on gfx950 and on gfx942 two chained 16x16x16 issues
     (values t < 4, then t >= 4 of each lane), each adding its fp32 sum to the accumulator."""
-    if cfg.mfma == "16x16x32":
-        return _mfma(acc, a8, b8)
-    for h in range(2):
-        a = a8[:, 4 * h:4 * h + 4].reshape(4, 16, 4).permute(1, 0, 2).reshape(16, 16)
-        b = b8[:, 4 * h:4 * h + 4].reshape(4, 16, 4).permute(0, 2, 1).reshape(16, 16)
+    per = traits(cfg.arch).mfma_k // 4
+    for h in range(8 // per):
+        a = a8[:, per * h:per * h + per].reshape(4, 16, per).permute(1, 0, 2).reshape(16, 4 * per)
+        b = b8[:, per * h:per * h + per].reshape(4, 16, per).permute(0, 2, 1).reshape(4 * per, 16)
         acc = acc + a @ b
     return acc
 
@@ -197,9 +192,9 @@ def _constant8(words) -> torch.Tensor:
 
 
 def _int4_block(cfg, accs, rw, rs, ro, act, lds, w_rows, a_rows, kb, u, g, r, m_rep):
-    """One K128 block of an int4 kernel, in the kernels' order (moe_gemm._int4_block); with
+    """One K128 block of an int4 kernel, in the kernels' order (_details/workgroup._int4_block); with
     offsets, each tile's offset MFMA adds into its accumulator after the scaled sum."""
-    K = cfg.K
+    K = cfg.shape.K
     words, scales, offsets = [], [], []
     for row in w_rows:
         words.append(_words(rw.load(L.w_byte_offset(row, kb, g, K), 16)))
@@ -208,8 +203,8 @@ def _int4_block(cfg, accs, rw, rs, ro, act, lds, w_rows, a_rows, kb, u, g, r, m_
         offsets.append(_words(ro.load(qi * 2, 8)) if cfg.has_offsets else None)
 
     def load_x(mi, G):
-        if cfg.a_lds:
-            lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.kb_unroll)
+        if cfg.tile.schedule.staged:
+            lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + G * L.GROUP + g * 8, cfg.tile.kb_unroll)
             return _bf16(_lds_read(lds, lofs))
         return _bf16(act.load(L.int4_act_byte_offset(a_rows[mi], kb, G, g, K), 16))
 
@@ -301,13 +296,13 @@ def _lane_values(d: torch.Tensor, g: torch.Tensor, r: torch.Tensor) -> torch.Ten
     return d[i, c]
 
 
-def _activate(cfg: KernelConfig, gate: torch.Tensor, up: torch.Tensor, beta: float, lin_beta: float):
+def _activate(cfg: FlyKernelConfig, gate: torch.Tensor, up: torch.Tensor, beta: float, lin_beta: float):
     exp2, rcp = torch.exp2, torch.reciprocal
-    if cfg.activation == "silu":
+    if cfg.activation.name == "silu":
         return L.silu_mul(gate, up, exp2, rcp)
-    if cfg.betas == "const":
-        lb = cfg.linear_beta
-        return L.situv2_mul(gate, up, cfg.beta, L.tanh_coef(cfg.beta), lb,
+    if cfg.activation.betas == "const":
+        lb = cfg.activation.linear_beta
+        return L.situv2_mul(gate, up, cfg.activation.beta, L.tanh_coef(cfg.activation.beta), lb,
                             None if lb is None else L.tanh_coef(lb), exp2, rcp)
     b = torch.tensor(beta, dtype=torch.float32)
     lb = torch.tensor(lin_beta, dtype=torch.float32)
@@ -316,7 +311,7 @@ def _activate(cfg: KernelConfig, gate: torch.Tensor, up: torch.Tensor, beta: flo
 
 
 # --------------------------------------------------------------------- the grid
-def launch(cfg: KernelConfig | QuantConfig, args: tuple, *, shuffle: torch.Generator | None = None) -> None:
+def launch(cfg: FlyKernelConfig | QuantConfig, args: tuple, *, shuffle: torch.Generator | None = None) -> None:
     """Play one kernel launch on the CPU; writes the output buffer(s) (Y, and YS when quantized; OUT and
     BOOK's counters when stage 2 sums tokens) in place. Workgroups run one after another, in grid
     order or, with `shuffle`, in a random order (nothing may depend on which finishes first)."""
@@ -330,7 +325,7 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple, *, shuffle: torch.Gener
     num_tokens, num_rows, beta, lin_beta = args[-4:]
     if num_rows % cfg.BM:
         raise EmulatorError(f"num_rows {num_rows} is not a multiple of BM {cfg.BM}")
-    R, K, N = cfg.weight_rows, cfg.K, cfg.N
+    R, K, N = cfg.weight_rows, cfg.shape.K, cfg.shape.N
     stage1 = cfg.stage == 1
     q = cfg.quantized
     row_bytes = L.qact_row_bytes(K, cfg.act_dtype) if q else K * 2
@@ -343,14 +338,14 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple, *, shuffle: torch.Gener
     else:
         act = _Buffer(A, "INTER", records=num_rows * row_bytes)
         act_s = _Buffer(AS, "INTER_S", records=num_rows * (K // L.GROUP)) if q else None
-        tw = _Buffer(TW, "topk_weights", records=num_tokens * cfg.top_k * 4)
-        per_token = cfg.top_k * N * 2 if cfg.slot_rows else N * 4
+        tw = _Buffer(TW, "topk_weights", records=num_tokens * cfg.shape.top_k * 4)
+        per_token = cfg.shape.top_k * N * 2 if cfg.slot_rows else N * 4
         out = _Buffer(Y, "SLOTS" if cfg.slot_rows else "ACC", records=num_tokens * per_token)
     act = (act, act_s)
     s_bytes = 2 if cfg.weight_format == INT4 else 1
-    sentinel = num_tokens * cfg.top_k
+    sentinel = num_tokens * cfg.shape.top_k
     grid = [(bid_m, bid_n, bid_k) for bid_m in range(num_rows // cfg.BM) if _live(cfg, int(BE[bid_m]))
-            for bid_n in range(N // cfg.BN) for bid_k in range(cfg.split_k)]
+            for bid_n in range(N // cfg.BN) for bid_k in range(cfg.reduction.split_k)]
     if shuffle is not None:
         grid = [grid[i] for i in torch.randperm(len(grid), generator=shuffle).tolist()]
     if cfg.sums_tokens:
@@ -369,7 +364,7 @@ def launch(cfg: KernelConfig | QuantConfig, args: tuple, *, shuffle: torch.Gener
 def _arrive_and_sum(cfg, bid_m, bid_n, sid, y, book, out, num_tokens):
     """_details/top_k_sum.arrive then sum_token: each row counts its arrival on its token's counter for this
     column tile; a token whose count completes here has its output written from its rows in memory."""
-    k, BN, N = cfg.top_k, cfg.BN, cfg.N
+    k, BN, N = cfg.shape.top_k, cfg.BN, cfg.shape.N
     slots = _words(sid.load(L.sid_byte_offset(bid_m * cfg.BM + torch.arange(cfg.BM)), 4))[:, 0]
     token = L.slot_token(slots, k)
     local = torch.stack([_words(book.load(L.local_byte_offset(token * k + j), 4))[:, 0] for j in range(k)], 1)
@@ -392,7 +387,7 @@ SUMMING_ARG_NAMES = ARG_NAMES[:8] + ("OUT", "BOOK") + ARG_NAMES[8:]
 QUANT_ARG_NAMES = ("X", "XQ", "XS", "num_groups")
 
 
-def _check_signature(cfg: KernelConfig, args: tuple) -> None:
+def _check_signature(cfg: FlyKernelConfig, args: tuple) -> None:
     """The compiled kernels are specialised on each tensor's dtype and rank (the placeholders
     they were compiled with): a launch passing anything else would not match on the GPU."""
     from kimi_k3_moe.kernels.flydsl.build import placeholder_args
@@ -412,14 +407,14 @@ def _check_signature(cfg: KernelConfig, args: tuple) -> None:
             raise EmulatorError(f"{cfg.name}: argument {name} must be a Python {type(want).__name__}, got {got!r}")
 
 
-def _live(cfg: KernelConfig, expert: int) -> bool:
+def _live(cfg: FlyKernelConfig, expert: int) -> bool:
     """The kernels' block test: -1 marks an unused aligned block; a direct block computes only for an
     id in [0, num_experts)."""
-    return 0 <= expert < cfg.num_experts if cfg.direct else expert >= 0
+    return 0 <= expert < cfg.rows.direct_experts if cfg.rows.direct else expert >= 0
 
 
-def _row_slot(cfg: KernelConfig, sid: "_Buffer", p: torch.Tensor, sentinel: int) -> torch.Tensor:
-    if cfg.direct:
+def _row_slot(cfg: FlyKernelConfig, sid: "_Buffer", p: torch.Tensor, sentinel: int) -> torch.Tensor:
+    if cfg.rows.direct:
         return L.direct_row_slot(p, sentinel)
     return _words(sid.load(L.sid_byte_offset(p), 4))[:, 0]
 
@@ -427,17 +422,17 @@ def _row_slot(cfg: KernelConfig, sid: "_Buffer", p: torch.Tensor, sentinel: int)
 def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta, sentinel):
     rw, rs, ro = bufs
     act, act_s = act
-    BM, BN, K, N, U, n_rep = cfg.BM, cfg.BN, cfg.K, cfg.N, cfg.kb_unroll, cfg.n_rep
+    BM, BN, K, N, U, n_rep = cfg.BM, cfg.BN, cfg.shape.K, cfg.shape.N, cfg.tile.kb_unroll, cfg.tile.n_rep
     stage1 = cfg.stage == 1
     m_rep = BM // L.MFMA_TILE
     lane = torch.arange(L.LANES)
     g, r = L.lane_split(lane)
     waves = []
     for w in range(cfg.workgroup_waves):
-        wave, wave_k = L.wave_split(w, cfg.waves)
+        wave, wave_k = L.wave_split(w, cfg.tile.waves)
         p_rows = [L.tile_origin(bid_m, bid_n, wave, 0, mi, BM, BN, n_rep)[0] + r for mi in range(m_rep)]
         slots = [_row_slot(cfg, sid, p, sentinel) for p in p_rows]
-        a_rows = [L.slot_token(s, cfg.top_k) for s in slots] if stage1 else p_rows
+        a_rows = [L.slot_token(s, cfg.shape.top_k) for s in slots] if stage1 else p_rows
         w_rows = []
         for ni in range(n_rep):
             n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, BM, BN, n_rep)[1]
@@ -445,12 +440,13 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
         accs = [torch.zeros(16, 16) for _ in range(len(w_rows) * m_rep)]
         waves.append((wave, wave_k, p_rows, slots, a_rows, w_rows, accs))
 
-    lds_plan = _lds_plan(cfg, bid_m, sid, sentinel) if cfg.a_lds else None
+    lds_plan = _lds_plan(cfg, bid_m, sid, sentinel) if cfg.tile.schedule.staged else None
     for it in range(cfg.k_iters):
         # a_lds workgroups have one K wave (config), so the staged tile is that wave's
-        lds = _stage_tile(cfg, act, lds_plan, L.k_block(bid_k, 0, it, 0, 1, cfg.k_iters, U)) if cfg.a_lds else None
+        kb0 = L.k_block(bid_k, 0, it, 0, 1, cfg.k_iters, U)
+        lds = _stage_tile(cfg, act, lds_plan, kb0) if cfg.tile.schedule.staged else None
         for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves:
-            kb0 = L.k_block(bid_k, wave_k, it, 0, cfg.k_waves, cfg.k_iters, U)
+            kb0 = L.k_block(bid_k, wave_k, it, 0, cfg.tile.k_waves, cfg.k_iters, U)
             for u in range(U):
                 kb = kb0 + u
                 if cfg.quantized:
@@ -468,7 +464,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                 xs = []
                 for mi in range(m_rep):
                     for j in range(4):
-                        if cfg.a_lds:
+                        if cfg.tile.schedule.staged:
                             lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + g * L.GROUP + j * 8, U)
                             xs.append(_bf16(_lds_read(lds, lofs)))
                         else:
@@ -477,7 +473,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                     for wi in range(len(w_rows)):
                         w8 = _dequant8(wq[wi][:, j], sc[wi])
                         for mi in range(m_rep):
-                            accs[wi * m_rep + mi] = _mfma(accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
+                            accs[wi * m_rep + mi] = _mfma_issues(cfg, accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
 
     joined = {(wave, wave_k): accs for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves}
     summed = _reduce_k_waves(cfg, joined, g, r)
@@ -491,7 +487,7 @@ def _reduce_k_waves(cfg, partials, g, r):
     """{(wave_n, wave_k): accs} -> {wave_n: accs summed over K waves}. Every wave's partial tiles go
     through an LDS image at the kernel's offsets (checked: in range, no two writes on the same bytes,
     no read of unwritten bytes); the first K wave adds the others' in wave order, as the kernel does."""
-    if cfg.k_waves == 1:
+    if cfg.tile.k_waves == 1:
         return {wave: accs for (wave, _), accs in partials.items()}
     lane = torch.arange(L.LANES)
     n = len(next(iter(partials.values())))
@@ -502,7 +498,7 @@ def _reduce_k_waves(cfg, partials, g, r):
     rows, cols = L.d_row_col(g[:, None], r[:, None], e[None, :])
 
     def at(wave, wave_k, a):
-        off = L.reduce_lds_byte_offset(wave_k, wave, a, lane, cfg.waves, n)
+        off = L.reduce_lds_byte_offset(wave_k, wave, a, lane, cfg.tile.waves, n)
         idx = (off >> 2)[:, None] + e
         if bool((off & 15).any()) or int(idx.min()) < 0 or int(idx.max()) >= words:
             raise EmulatorError("K-wave reduction: LDS offset misaligned or outside the partials")
@@ -521,7 +517,7 @@ def _reduce_k_waves(cfg, partials, g, r):
             continue
         out = []
         for a, total in enumerate(accs):
-            for wk in range(1, cfg.k_waves):
+            for wk in range(1, cfg.tile.k_waves):
                 idx = at(wave, wk, a)
                 if not bool(written[idx].all()):
                     raise EmulatorError("K-wave reduction: read of LDS bytes no wave wrote")
@@ -535,7 +531,7 @@ def _reduce_k_waves(cfg, partials, g, r):
 
 def _scaled_block(cfg, accs, rw, rs, act, act_s, w_rows, a_rows, kb, g, m_rep):
     """One K128 block of a quantized-activation kernel: one scaled MFMA per (weight, row) sub-tile."""
-    K = cfg.K
+    K = cfg.shape.K
     xs, xsc = [], []
     for mi in range(m_rep):
         halves = (0,) if cfg.act_dtype == FP4 else (0, 1)
@@ -588,21 +584,21 @@ def _launch_quant(qcfg: QuantConfig, args: tuple) -> None:
 def _lds_plan(cfg, bid_m, sid, sentinel):
     tid = torch.arange(cfg.threads)
     plan = []
-    for c0 in range(0, cfg.BM * 16 * cfg.kb_unroll, cfg.threads):
-        row, cc = L.lds_chunk_coords(tid + c0, cfg.kb_unroll)
+    for c0 in range(0, cfg.BM * 16 * cfg.tile.kb_unroll, cfg.threads):
+        row, cc = L.lds_chunk_coords(tid + c0, cfg.tile.kb_unroll)
         p = bid_m * cfg.BM + row
-        a_row = L.slot_token(_row_slot(cfg, sid, p, sentinel), cfg.top_k) if cfg.stage == 1 else p
+        a_row = L.slot_token(_row_slot(cfg, sid, p, sentinel), cfg.shape.top_k) if cfg.stage == 1 else p
         plan.append((a_row, row, cc))
     return plan
 
 
 def _stage_tile(cfg, act, plan, kb0):
     """The cooperative copy into LDS; unwritten bytes hold a poison pattern."""
-    U = cfg.kb_unroll
+    U = cfg.tile.kb_unroll
     lds = torch.full((cfg.BM * L.lds_row_bytes(U),), 0x7F, dtype=torch.uint8)
     written = torch.zeros_like(lds, dtype=torch.bool)
     for a_row, row, cc in plan:
-        data = act.load(L.staged_act_byte_offset(a_row, kb0, cc, cfg.K), 16)
+        data = act.load(L.staged_act_byte_offset(a_row, kb0, cc, cfg.shape.K), 16)
         word = L.lds_byte_offset(row, cc * 8, U) >> 2
         idx = (word * 4)[:, None] + torch.arange(16)
         if int(idx.max()) >= lds.numel():
@@ -626,12 +622,12 @@ def _lds_read(lds_state, lofs):
 
 def _epilogue_quantized(cfg, wave, bid_m, bid_n, g, r, p_rows, accs, out, beta, lin_beta):
     m_rep = cfg.BM // L.MFMA_TILE
-    N, act = cfg.N, cfg.act_dtype
+    N, act = cfg.shape.N, cfg.act_dtype
     out, out_s = out
     lane = torch.arange(L.LANES)
-    for c in range(cfg.n_rep // 2):
+    for c in range(cfg.tile.n_rep // 2):
         pair = (2 * c, 2 * c + 1)
-        n0s = [L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1] for ni in pair]
+        n0s = [L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.tile.n_rep)[1] for ni in pair]
         for mi in range(m_rep):
             ys = torch.cat([_activate(cfg, _lane_values(accs[(ni * 2 + 0) * m_rep + mi], g, r),
                                       _lane_values(accs[(ni * 2 + 1) * m_rep + mi], g, r), beta, lin_beta)
@@ -647,19 +643,19 @@ def _epilogue_quantized(cfg, wave, bid_m, bid_n, g, r, p_rows, accs, out, beta, 
 
 
 def _epilogue_int4(cfg, wave, bid_m, bid_n, g, r, accs, out, tw, sid, beta, lin_beta, sentinel):
-    """moe_gemm._epilogue_int4: register e of lane (g, r) is OUT[m0 + 4g + e][n0 + r]."""
+    """_details/epilogues._epilogue_int4: register e of lane (g, r) is OUT[m0 + 4g + e][n0 + r]."""
     m_rep = cfg.BM // L.MFMA_TILE
-    N = cfg.N
+    N = cfg.shape.N
     coords = [L.int4_out_coords(g, r, e) for e in range(4)]
     for mi in range(m_rep):
-        p0 = L.tile_origin(bid_m, bid_n, wave, 0, mi, cfg.BM, cfg.BN, cfg.n_rep)[0]
+        p0 = L.tile_origin(bid_m, bid_n, wave, 0, mi, cfg.BM, cfg.BN, cfg.tile.n_rep)[0]
         rows = [p0 + dm for dm, _ in coords]
         if cfg.stage == 2:
             slots = [_row_slot(cfg, sid, p, sentinel) for p in rows]
             weights = [tw.load(L.router_weight_byte_offset(s), 4).contiguous().view(torch.float32)[:, 0]
                        for s in slots]
-        for ni in range(cfg.n_rep):
-            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+        for ni in range(cfg.tile.n_rep):
+            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.tile.n_rep)[1]
             if cfg.stage == 1:
                 gate = _lane_values(accs[(ni * 2 + 0) * m_rep + mi], g, r)
                 up = _lane_values(accs[(ni * 2 + 1) * m_rep + mi], g, r)
@@ -676,12 +672,12 @@ def _epilogue_int4(cfg, wave, bid_m, bid_n, g, r, accs, out, tw, sid, beta, lin_
                     out.store(L.slot_out_byte_offset(slots[e], n_col, N),
                               y.to(torch.bfloat16)[:, None].contiguous().view(torch.uint8))
                 else:
-                    out.atomic_add_f32(L.acc_byte_offset(L.slot_token(slots[e], cfg.top_k), n_col, N), y)
+                    out.atomic_add_f32(L.acc_byte_offset(L.slot_token(slots[e], cfg.shape.top_k), n_col, N), y)
 
 
 def _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta, lin_beta, sid=None, sentinel=0):
     m_rep = cfg.BM // L.MFMA_TILE
-    N = cfg.N
+    N = cfg.shape.N
     if cfg.weight_format == INT4:
         _epilogue_int4(cfg, wave, bid_m, bid_n, g, r, accs, out, tw, sid, beta, lin_beta, sentinel)
         return
@@ -689,8 +685,8 @@ def _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta,
         _epilogue_quantized(cfg, wave, bid_m, bid_n, g, r, p_rows, accs, out, beta, lin_beta)
         return
     if cfg.stage == 1:
-        for ni in range(cfg.n_rep):
-            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+        for ni in range(cfg.tile.n_rep):
+            n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.tile.n_rep)[1]
             for mi in range(m_rep):
                 gate = _lane_values(accs[(ni * 2 + 0) * m_rep + mi], g, r)
                 up = _lane_values(accs[(ni * 2 + 1) * m_rep + mi], g, r)
@@ -698,14 +694,14 @@ def _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, accs, out, tw, beta,
                 out.store(L.inter_byte_offset(p_rows[mi], n0 + g * 4, N), y.contiguous().view(torch.uint8))
         return
     weights = [tw.load(L.router_weight_byte_offset(s), 4).contiguous().view(torch.float32)[:, 0] for s in slots]
-    for ni in range(cfg.n_rep):
-        n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.n_rep)[1]
+    for ni in range(cfg.tile.n_rep):
+        n0 = L.tile_origin(bid_m, bid_n, wave, ni, 0, cfg.BM, cfg.BN, cfg.tile.n_rep)[1]
         for mi in range(m_rep):
             y = _lane_values(accs[ni * m_rep + mi], g, r) * weights[mi][:, None]
             if cfg.slot_rows:
                 out.store(L.slot_out_byte_offset(slots[mi], n0 + g * 4, N),
                           y.to(torch.bfloat16).contiguous().view(torch.uint8))
             else:
-                token = L.slot_token(slots[mi], cfg.top_k)
+                token = L.slot_token(slots[mi], cfg.shape.top_k)
                 for e in range(4):
                     out.atomic_add_f32(L.acc_byte_offset(token, n0 + g * 4 + e, N), y[:, e])

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from k3lab.flydsl import artifacts
+from kimi_k3_moe.amd_archs import AMD_ARCHS, GFX942, GFX950, AmdArch
 
 # Issue cycles of one wave64 instruction on a 16-lane SIMD. MFMA: 16 cycles for the bf16
 # 16x16x32 (gfx950) and 16x16x16 (gfx942) forms, derived from AMD's published dense bf16
@@ -257,12 +258,17 @@ class Device:
     cus: int
     clock_ghz: float
     peak_tbs: float
-    simds: int = artifacts.SIMDS_PER_CU
+    simds: int
+    mfma_cycles: int = MFMA_CYCLES
+
+    @classmethod
+    def of(cls, t: AmdArch) -> "Device":
+        """The product an arch's traits name, with AMD's published CU count, clock and HBM peak."""
+        return cls(t.product, t.arch, t.cus, t.clock_ghz, t.hbm_tbs, t.simds_per_cu, t.mfma_cycles)
 
 
-MI355X = Device("MI355X", "gfx950", 256, 2.4, 8.0)
-MI300X = Device("MI300X", "gfx942", 304, 2.1, 5.3)
-DEVICES = {d.arch: d for d in (MI355X, MI300X)}
+DEVICES = {arch: Device.of(t) for arch, t in AMD_ARCHS.items()}
+MI355X, MI300X = DEVICES[GFX950.arch], DEVICES[GFX942.arch]
 
 
 @dataclass(frozen=True)
@@ -295,7 +301,8 @@ class LaunchTime:
 def launch_time(launch: Launch, device: Device, params: Params, wave: WaveTime | None = None) -> LaunchTime:
     k = launch.kernel
     if wave is None:
-        wave = simulate(k, params.latency_ns * device.clock_ghz, loop_trips(k, launch.mfma_per_wave))
+        wave = simulate(k, params.latency_ns * device.clock_ghz, loop_trips(k, launch.mfma_per_wave),
+                        mfma_cycles=device.mfma_cycles)
     occ = artifacts.occupancy(device.arch, vgpr=k.vgpr, agpr=k.agpr, accum_offset=k.accum_offset,
                               lds_bytes=k.lds_bytes, waves_per_workgroup=k.waves_per_workgroup)
     per_cu = max(1, occ["waves_per_simd"] * device.simds // k.waves_per_workgroup)

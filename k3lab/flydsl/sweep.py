@@ -7,13 +7,11 @@ tier's a8w4 and a4w4 stages with SiTUv2, and SiLU / other-beta / atomic variants
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from kimi_k3_moe.act_quant import BF16, FP8
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.experts.format import INT4, MXFP4
 from kimi_k3_moe.kernels.flydsl import supported_act_dtypes, tiles
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
+from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, QuantConfig
 from kimi_k3_moe.platform import FLYDSL_ARCHS, Platform
 
 # Kimi-K3 at TP8: routed experts run at hidden 3584, intermediate 3072/8 per rank, top-16
@@ -25,8 +23,8 @@ K3_SITU = ActivationSpec.situv2(4.0, 25.0)
 OTHER_SITU = ActivationSpec.situv2(2.0, 1.5)   # a second beta pair: must never share a kernel with K3's
 
 
-def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
-    out: dict[KernelConfig | QuantConfig, None] = {}
+def ci_configs(archs=FLYDSL_ARCHS) -> list[FlyKernelConfig | QuantConfig]:
+    out: dict[FlyKernelConfig | QuantConfig, None] = {}
     for arch in archs:
         weight_format = Platform("rocm", arch).weight_format   # the format the plan serves there
         shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
@@ -37,7 +35,7 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
         extras = [
             s1.with_activation(K3_SITU, betas="runtime"),
             s1.with_activation(OTHER_SITU),
-            replace(s2, reduce="atomic", split_k=3, k_waves=1),
+            s2.with_tile(k_waves=1).with_reduction("atomic", split_k=3),
         ]
         for tier in tiles.default_table()[arch]:   # every aligned tier's stage 2 with reduce "fused"
             extras.append(tiles.stage_configs(arch, weight_format, num_tokens=tier.max_tokens or 1 << 20,
@@ -52,10 +50,10 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[KernelConfig | QuantConfig]:
     return list(out)
 
 
-def quantized_configs(arch: str) -> list[KernelConfig | QuantConfig]:
+def quantized_configs(arch: str) -> list[FlyKernelConfig | QuantConfig]:
     """fp8/fp4 activations (gfx950 only): quantizer, every tier's stages, and the variants."""
     shape = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
-    out: dict[KernelConfig | QuantConfig, None] = {}
+    out: dict[FlyKernelConfig | QuantConfig, None] = {}
     for act in supported_act_dtypes(arch):
         if act == BF16:
             continue
@@ -67,5 +65,5 @@ def quantized_configs(arch: str) -> list[KernelConfig | QuantConfig]:
         if act == FP8:
             out.setdefault(s1.with_activation(OTHER_SITU))
         else:
-            out.setdefault(replace(s2, reduce="atomic", split_k=3, k_waves=1))
+            out.setdefault(s2.with_tile(k_waves=1).with_reduction("atomic", split_k=3))
     return list(out)

@@ -13,25 +13,38 @@ which is how CI runs the whole loop against compile-only builds.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 from kimi_k3_moe.kernels.flydsl import pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
-from kimi_k3_moe.kernels.flydsl.tiles import Tier
+from kimi_k3_moe.kernels.flydsl.tiles import Tier, tier_row
 from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.tune.loop import TIMED, Candidate
 
 TIERS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 BMS = (16, 32, 64)
-STAGE1 = ({"waves": 4, "n_rep": 1, "kb_unroll": 1, "a_lds": False}, {"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": True},
-          {"waves": 2, "n_rep": 2, "kb_unroll": 2, "a_lds": False}, {"waves": 4, "n_rep": 1, "kb_unroll": 2, "a_lds": True})
-STAGE2 = ({"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": False}, {"waves": 4, "n_rep": 4, "kb_unroll": 1, "a_lds": True},
-          {"waves": 2, "n_rep": 2, "kb_unroll": 1, "a_lds": True}, {"waves": 4, "n_rep": 1, "kb_unroll": 1, "a_lds": False})
+# per-stage tiles tried around the tier's: (waves, n_rep, kb_unroll, activations staged through LDS); the
+# tier's K-loop order (load_first, prefetch), k_waves and waves_per_eu are kept
+STAGE1 = ((4, 1, 1, False), (4, 2, 1, True), (2, 2, 2, False), (4, 1, 2, True))
+STAGE2 = ((4, 2, 1, False), (4, 4, 1, True), (2, 2, 1, True), (4, 1, 1, False))
+
+
+def _around(tile, choices) -> list:
+    """The tiles of `choices` around `tile`; one the tile refuses (LDS staging with k_waves) is left out."""
+    out = []
+    for waves, n_rep, kb_unroll, staged in choices:
+        try:
+            out.append(replace(tile, waves=waves, n_rep=n_rep, kb_unroll=kb_unroll,
+                               schedule=tile.schedule.with_staging(staged)))
+        except ValueError:
+            continue
+    return out
 
 
 def _key(t: Tier) -> str:
-    return json.dumps({"BM": t.BM, "stage1": t.stage1, "stage2": t.stage2, "reduce": t.reduce}, sort_keys=True)
+    row = tier_row(t)
+    return json.dumps({k: row[k] for k in ("BM", "stage1", "stage2", "reduce")}, sort_keys=True)
 
 
 class FlyDSLTarget:
@@ -62,19 +75,15 @@ class FlyDSLTarget:
         s = self.shape
         return tiles.stage_configs(self.arch, self.weight_format, hidden=s.hidden, inter=s.inter, top_k=s.topk,
                                    num_tokens=tier, activation=self.activation, has_offsets=self.prepared.has_offsets,
-                                   table=tiles.load_table({self.arch: [{"max_tokens": None, "BM": t.BM,
-                                                                         "stage1": t.stage1, "stage2": t.stage2,
-                                                                         "reduce": t.reduce}]}))
+                                   table=tiles.load_table({self.arch: [tier_row(replace(t, max_tokens=None))]}))
 
     def candidates(self, tier: int, done: dict) -> list[Candidate]:
         base = tiles.tier_for(self.arch, tier, tiles.default_table())
-        keep = {k: v for k, v in base.stage1.items() if k not in tiles.TILE_FIELDS}
-        keep2 = {k: v for k, v in base.stage2.items() if k not in tiles.TILE_FIELDS}
         r = base.reduce
         first = [Tier(tier, base.BM, base.stage1, base.stage2, reduce=r)]
         first += [Tier(tier, bm, base.stage1, base.stage2, reduce=r) for bm in BMS if bm != base.BM]
-        first += [Tier(tier, base.BM, {**s1, **keep}, base.stage2, reduce=r) for s1 in STAGE1]
-        first += [Tier(tier, base.BM, base.stage1, {**s2, **keep2}, reduce=r) for s2 in STAGE2]
+        first += [Tier(tier, base.BM, s1, base.stage2, reduce=r) for s1 in _around(base.stage1, STAGE1)]
+        first += [Tier(tier, base.BM, base.stage1, s2, reduce=r) for s2 in _around(base.stage2, STAGE2)]
         cands = [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} s1 {_tag(t.stage1)} s2 {_tag(t.stage2)}")
                  for t in first]
         cands = list({c.key: c for c in cands}.values())[:self.max_per_round or None]
@@ -132,14 +141,15 @@ class FlyDSLTarget:
 
     def packaged(self, tier: int) -> dict:
         base = tiles.tier_for(self.arch, tier, tiles.default_table())
-        return {"config": {"BM": base.BM, "stage1": base.stage1, "stage2": base.stage2, "reduce": base.reduce}}
+        row = tier_row(base)
+        return {"config": {k: row[k] for k in ("BM", "stage1", "stage2", "reduce")}}
 
     def entries(self, chosen: dict) -> tuple[str, dict]:
         rows = []
         tiers = sorted(chosen)
         for n, tier in enumerate(tiers):
             cand, info = chosen[tier]
-            cfg = asdict(cand.config) if cand is not None else info["config"]
+            cfg = tier_row(cand.config) if cand is not None else info["config"]
             rows.append({"max_tokens": tier if n < len(tiers) - 1 else None, "BM": cfg["BM"],
                          "stage1": cfg["stage1"], "stage2": cfg["stage2"], "reduce": cfg.get("reduce", "slots"),
                          "tuned_at_tokens": tier,
@@ -148,5 +158,5 @@ class FlyDSLTarget:
         return tiles.shape_key(self.weight_format, s.hidden, s.inter, s.topk), {"tiers": rows}
 
 
-def _tag(tile: dict) -> str:
-    return f"w{tile['waves']}n{tile['n_rep']}u{tile['kb_unroll']}{'L' if tile['a_lds'] else ''}"
+def _tag(tile) -> str:
+    return f"w{tile.waves}n{tile.n_rep}u{tile.kb_unroll}{'L' if tile.schedule.staged else ''}"

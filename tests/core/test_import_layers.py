@@ -102,8 +102,10 @@ def test_the_scan_sees_the_imports():
     (("kimi_k3_moe.experts",), ("kimi_k3_moe.formats",)),
     (("kimi_k3_moe.activation",), ("kimi_k3_moe.formats", "kimi_k3_moe.configs.hf_dict")),
     (("kimi_k3_moe.act_quant",), ("kimi_k3_moe.formats", "kimi_k3_moe.settings")),
-    (("kimi_k3_moe.platform",), ("kimi_k3_moe.act_quant", "kimi_k3_moe.experts", "kimi_k3_moe.formats",
-                                 "kimi_k3_moe.settings")),
+    (("kimi_k3_moe.amd_archs",), ("kimi_k3_moe.act_quant", "kimi_k3_moe.experts", "kimi_k3_moe.formats",
+                                  "kimi_k3_moe.settings")),
+    (("kimi_k3_moe.platform",), ("kimi_k3_moe.act_quant", "kimi_k3_moe.amd_archs", "kimi_k3_moe.experts",
+                                 "kimi_k3_moe.formats", "kimi_k3_moe.settings")),
 ])
 def test_the_bottom_floors_import_nothing_above_them(floor, allowed):
     assert offending(floor, allowed=allowed) == []

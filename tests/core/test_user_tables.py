@@ -128,7 +128,7 @@ def test_flydsl_user_table_is_read_by_the_tile_lookup_for_its_arch_and_shape(tab
                       extra={"target_arch": "gfx942"})
     situ = ActivationSpec.situv2(4.0, 25.0)
     s1, s2 = tiles.stage_configs("gfx942", "int4", hidden=H, inter=128, top_k=4, num_tokens=3, activation=situ)
-    assert s1.BM == 32 and s1.waves == 2
+    assert s1.BM == 32 and s1.tile.waves == 2
     s1, _ = tiles.stage_configs("gfx942", "int4", hidden=H, inter=128, top_k=4, num_tokens=100, activation=situ)
     assert s1.BM == 64
     # another arch or shape: the packaged tiles

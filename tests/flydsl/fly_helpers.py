@@ -70,3 +70,15 @@ def random_routing(gen, tokens, experts, top_k, hidden):
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
     return x, weights, ids
 
+
+
+def kernel_config(arch="gfx942", stage=1, weight_format="int4", N=384, K=3584, top_k=16, *, BM=16,
+                  direct_experts=0, activation="silu", betas="const", beta=None, linear_beta=None, reduce="slots",
+                  split_k=1, act_dtype="bf16", has_offsets=False, **tile):
+    """A FlyKernelConfig from one flat list of choices (tests state many variants this way); `tile`:
+    Tile's fields (schedule a config.KLoop)."""
+    from kimi_k3_moe.kernels.flydsl.config import (Activation, FlyKernelConfig, GemmShape, Reduction, RowBlocks,
+                                                    Tile)
+    epilogue = Activation(activation, betas, beta, linear_beta) if stage == 1 else Reduction(reduce, split_k)
+    return FlyKernelConfig(arch, weight_format, GemmShape(N, K, top_k), epilogue, RowBlocks(BM, direct_experts),
+                           Tile(**tile), act_dtype, has_offsets)

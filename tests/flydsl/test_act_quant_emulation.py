@@ -37,14 +37,14 @@ from importlib import resources
 import pytest
 import torch
 
-from fly_helpers import SILU, SITU, random_layer, random_routing
+from fly_helpers import SILU, SITU, kernel_config, random_layer, random_routing
 from kimi_k3_moe.act_quant import ActQuant
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import fp8, mxfp4
 from k3lab.flydsl import emulator
 from kimi_k3_moe.kernels.flydsl import layout, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
+from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, QuantConfig, RowBlocks
 from kimi_k3_moe.reference import dense_moe, relative_l2
 
 SAME_QUANT_BOUND = 1.5e-2
@@ -142,7 +142,7 @@ def test_stage1_writes_the_quantized_activation_of_each_sorted_row(gen, act_dtyp
 
     def capture(cfg, args):
         emulator.launch(cfg, args)
-        if isinstance(cfg, KernelConfig) and cfg.stage == 1:
+        if isinstance(cfg, FlyKernelConfig) and cfg.stage == 1:
             seen.update(inter=args[7].clone(), scales=args[9].clone(), sid=args[4].clone(), be=args[5].clone())
 
     emulate(prep, x, tw, ids, SITU, act_dtype, launch=capture)
@@ -179,9 +179,10 @@ def test_variants_runtime_betas_atomic_split_k_and_unroll(gen, act_dtype):
     x, tw, ids = random_routing(gen, T, E, K, H)
     c1, c2 = tiles.stage_configs("gfx950", "mxfp4", hidden=H, inter=256, top_k=K, num_tokens=T, activation=SITU,
                                  act_dtype=act_dtype)
-    for v1, v2 in [(c1.with_activation(SITU, betas="runtime"), replace(c2, reduce="atomic", split_k=2)),
-                   (replace(c1, kb_unroll=2, BM=32, waves=1, n_rep=4), replace(c2, kb_unroll=2, BM=32))]:
-        check(prep, x, tw, ids, SITU, act_dtype, reduce=v2.reduce, configs=(v1, v2))
+    for v1, v2 in [(c1.with_activation(SITU, betas="runtime"), c2.with_reduction("atomic", split_k=2)),
+                   (replace(c1.with_tile(kb_unroll=2, waves=1, n_rep=4), rows=RowBlocks(32)),
+                    replace(c2.with_tile(kb_unroll=2), rows=RowBlocks(32)))]:
+        check(prep, x, tw, ids, SITU, act_dtype, reduce=v2.reduction.kind, configs=(v1, v2))
 
 
 @pytest.mark.parametrize("act_dtype", ACTS)
@@ -206,7 +207,7 @@ def test_expert_parallel_rank_with_fp4_activations(gen):
 
 def test_gfx942_has_no_quantized_path():
     with pytest.raises(ValueError, match="act_dtype 'fp8' has no kernel on gfx942"):
-        KernelConfig("gfx942", 1, "int4", 384, 3584, 16, activation="silu", act_dtype="fp8")
+        kernel_config("gfx942", 1, "int4", 384, 3584, 16, act_dtype="fp8")
 
 
 # ------------------------------------------------------------------ the check has teeth

@@ -60,7 +60,7 @@ def test_compiles_with_expected_mfma_and_no_scratch(compiled, cfg):
         assert isa["v_exp_f32"] > 0 and isa["v_rcp_f32"] > 0
     elif cfg.stage == 2:
         assert isa["v_exp_f32"] == 0
-        assert isa["buffer_atomics"] == (["buffer_atomic_add_f32"] if cfg.reduce == "atomic" else [])
+        assert isa["buffer_atomics"] == (["buffer_atomic_add_f32"] if cfg.reduction.kind == "atomic" else [])
     else:                # activation quantization: integer and float arithmetic, stores, nothing else
         assert isa["v_exp_f32"] == 0 and not isa["buffer_atomics"] and isa["ds_bpermute"] == 0
 
@@ -126,14 +126,14 @@ def test_quantized_activation_kernels_use_the_right_operand_formats(compiled, cf
     assert isa["scaled_mfma_formats"] == (["cbsz:4 blgp:4"] if cfg.act_dtype == "fp4" else ["cbsz:4"])
     text = Path(compiled[cfg.name].report["isa_file"]).read_text()
     if cfg.stage == 1:   # the 32-column amax crosses lane groups; codes and scale bytes are stored
-        assert isa["ds_bpermute"] == 2 * (cfg.n_rep // 2) * (cfg.BM // 16)
+        assert isa["ds_bpermute"] == 2 * (cfg.tile.n_rep // 2) * (cfg.BM // 16)
         assert re.search(r"^\s*buffer_store_byte", text, re.M)
         assert re.search(r"^\s*buffer_store_(dword|short)\s", text, re.M)
     else:
         assert isa["ds_bpermute"] == 0
 
 
-PREFETCHED = [c for c in CONFIGS if getattr(c, "prefetch", False) and c.k_iters > 1]
+PREFETCHED = [c for c in CONFIGS if c.stage and c.tile.schedule.prefetch and c.k_iters > 1]
 
 
 @pytest.mark.parametrize("cfg", PREFETCHED, ids=[c.name for c in PREFETCHED])
@@ -145,12 +145,12 @@ def test_prefetching_k_loops_never_wait_for_the_block_they_fetch(compiled, cfg):
     assert artifacts.k_loop_self_waits(text) == []
 
 
-LOAD_FIRST = [c for c in CONFIGS if getattr(c, "load_first", False) and c.k_iters > 1]
+LOAD_FIRST = [c for c in CONFIGS if c.stage and c.tile.schedule.load_first and c.k_iters > 1]
 
 
 @pytest.mark.parametrize("cfg", LOAD_FIRST, ids=[c.name for c in LOAD_FIRST])
 def test_load_first_k_loops_issue_every_load_before_the_staged_tiles_barrier(compiled, cfg):
-    """KernelConfig.load_first: the iteration's weights are in flight while the wave stores its share
+    """A load_first schedule: the iteration's weights are in flight while the wave stores its share
     of the activation tile and waits at the barrier (the chunked order loads them after it)."""
     text = Path(compiled[cfg.name].report["isa_file"]).read_text()
     assert artifacts.k_loop_loads_after_first_barrier(text) == 0
@@ -207,8 +207,8 @@ def test_speed_model_reads_every_kernel(compiled, cfg):
     MFMA work, and its occupancy is the resource table's."""
     kernel = isa_model.parse(Path(compiled[cfg.name].report["isa_file"]).read_text(), cfg.name)
     k_mfma = 128 if cfg.quantized else int(cfg.mfma.split("x")[-1])
-    cols = (2 if cfg.stage == 1 else 1) * cfg.n_rep * 16            # a wave's columns (gate and up on stage 1)
-    work = cfg.BM * cols * (cfg.K // (cfg.split_k * cfg.k_waves)) // (16 * 16 * k_mfma)
+    cols = (2 if cfg.stage == 1 else 1) * cfg.tile.n_rep * 16            # a wave's columns (gate and up on stage 1)
+    work = cfg.BM * cols * (cfg.shape.K // (cfg.reduction.split_k * cfg.tile.k_waves)) // (16 * 16 * k_mfma)
     if cfg.weight_format == "int4" and not cfg.quantized:   # one more chain per group: the -136 sum
         tiles_ = cols // 16
         work = work * (tiles_ + 1 + (tiles_ if cfg.has_offsets else 0)) // tiles_

@@ -7,11 +7,12 @@ from importlib import resources
 
 import pytest
 
-from fly_helpers import SILU, SITU
+from fly_helpers import SILU, SITU, kernel_config
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.flydsl import tiles
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig, UnsupportedArchError
+from kimi_k3_moe.kernels.flydsl.build import config_from_json, config_to_json
+from kimi_k3_moe.kernels.flydsl.config import KLoop, QuantConfig, Tile, UnsupportedArchError
 from k3lab.flydsl.sweep import K3_HIDDEN, K3_INTER_TP8, K3_TOP_K, ci_configs
 
 K3 = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
@@ -22,8 +23,7 @@ def raw_table():
 
 
 def s1(**kw):
-    base = dict(arch="gfx942", stage=1, weight_format="int4", N=384, K=3584, top_k=16, activation="silu")
-    return KernelConfig(**{**base, **kw})
+    return kernel_config(**kw)
 
 
 # ------------------------------------------------------------------ tiers
@@ -52,7 +52,10 @@ def test_token_count_must_be_a_positive_int(bad):
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t["gfx942"].__setitem__(-1, {**t["gfx942"][-1], "max_tokens": 99999}), "last tier"),
     (lambda t: t["gfx942"][0].__setitem__("max_tokens", 4096), "strictly increasing"),
-    (lambda t: t["gfx942"][0]["stage1"].pop("a_lds"), "stage1 must set"),
+    (lambda t: t["gfx942"][0]["stage1"].pop("schedule"), "stage1: a tile must set"),
+    (lambda t: t["gfx942"][0]["stage1"].__setitem__("schedule", "lds_sometimes"), "schedule 'lds_sometimes' is not"),
+    (lambda t: t["gfx942"][0]["stage1"].__setitem__("a_lds", True), "stage1: a tile sets either schedule or"),
+    (lambda t: t["gfx942"][0]["stage1"].__setitem__("waves", 0), "Tile.waves must be a positive int"),
     (lambda t: t["gfx950"][1].__setitem__("BM", 128), "BM=128"),
     (lambda t: t.__setitem__("gfx90a", t["gfx942"]), "gfx90a"),
 ])
@@ -69,7 +72,7 @@ def test_tiles_fit_every_shape_the_kernels_can_serve(arch, hidden, inter):
     weight_format = "int4" if arch == "gfx942" else "mxfp4"
     for n in (1, 129, 2049):
         c1, c2 = tiles.stage_configs(arch, weight_format, hidden=hidden, inter=inter, top_k=8, num_tokens=n, activation=SITU)
-        assert (c1.N, c1.K, c2.N, c2.K) == (inter, hidden, hidden, inter)
+        assert (c1.shape.N, c1.shape.K, c2.shape.N, c2.shape.K) == (inter, hidden, hidden, inter)
 
 
 def test_shapes_the_kernels_cannot_tile_are_refused_by_name():
@@ -79,10 +82,9 @@ def test_shapes_the_kernels_cannot_tile_are_refused_by_name():
 
 # ------------------------------------------------------------------ config validation
 @pytest.mark.parametrize("kw, message", [
-    (dict(split_k=2), "split-K on stage 1 would apply the activation to partial K sums"),
-    (dict(stage=2, N=3584, K=384, activation=None, split_k=2), "needs reduce='atomic'"),
-    (dict(stage=2, N=3584, K=384, activation=None, reduce="atomic", split_k=2), "does not divide the 3 K"),
-    (dict(stage=2, N=3584, K=384, activation="silu"), "takes no activation"),
+    (dict(stage=2, N=3584, K=384, split_k=2), "needs reduce='atomic'"),
+    (dict(stage=2, N=3584, K=384, reduce="atomic", split_k=2), "does not divide the 3 K"),
+    (dict(stage=2, N=3584, K=384, reduce="sum"), "reduce 'sum' not in"),
     (dict(activation="gelu"), "'gelu' is not implemented"),
     (dict(activation=None), "None is not implemented"),
     (dict(activation="situv2"), "beta"),
@@ -91,17 +93,20 @@ def test_shapes_the_kernels_cannot_tile_are_refused_by_name():
     (dict(N=400), "not a multiple of the tile width"),
     (dict(K=3600), "not a multiple of 128"),
     (dict(BM=24), "multiple of 16"),
-    (dict(BM=16, a_lds=True, waves=8, n_rep=1), "split evenly"),
+    (dict(BM=16, schedule=KLoop.LDS, waves=8, n_rep=1), "split evenly"),
+    (dict(BM=32, direct_experts=8), "one pair in each block of 16 rows"),
     (dict(has_offsets=True, arch="gfx950", weight_format="mxfp4"), "int4 weights only"),
     (dict(waves_per_eu=9), "waves_per_eu"),
     (dict(act_dtype="fp8"), "act_dtype 'fp8' has no kernel on gfx942"),
     (dict(arch="gfx950", weight_format="int4", act_dtype="fp4"), "runs on MXFP4 weights"),
     (dict(arch="gfx950", weight_format="mxfp4", act_dtype="fp8", n_rep=1), "n_rep must be even"),
-    (dict(arch="gfx950", weight_format="mxfp4", act_dtype="fp8", n_rep=2, a_lds=True, BM=32), "a_lds"),
+    (dict(arch="gfx950", weight_format="mxfp4", act_dtype="fp8", n_rep=2, schedule=KLoop.LDS, BM=32),
+     "no LDS schedule"),
+    (dict(arch="gfx950", weight_format="mxfp4", act_dtype="fp8", n_rep=2, direct_experts=8), "direct layout"),
     (dict(arch="gfx950", weight_format="mxfp4", act_dtype="int8"), "'int8' has no kernel on gfx950"),
-    (dict(prefetch=True, load_first=True), "load_first .* choose one"),
+    (dict(schedule="lds"), "Tile.schedule must be one of"),
     (dict(k_waves=3), "k_waves=3 does not divide the 28 K iterations"),
-    (dict(k_waves=2, a_lds=True, BM=32), "a_lds and quantized activations take k_waves=1"),
+    (dict(k_waves=2, schedule=KLoop.LDS_PREFETCH, BM=32), "an LDS schedule takes k_waves=1"),
     (dict(k_waves=8, waves=4), "at most 16 waves"),
 ])
 def test_invalid_configs_are_refused_when_made(kw, message):
@@ -110,7 +115,7 @@ def test_invalid_configs_are_refused_when_made(kw, message):
 
 
 def test_valid_split_k_for_the_atomic_stage_2():
-    cfg = KernelConfig("gfx942", 2, "int4", 3584, 384, 16, reduce="atomic", split_k=3)
+    cfg = kernel_config("gfx942", 2, "int4", 3584, 384, 16, reduce="atomic", split_k=3)
     assert cfg.k_iters == 1 and cfg.name.endswith("red_atomic_sk3")
 
 
@@ -153,12 +158,14 @@ def test_names_are_pinned_for_every_field_that_enters_them():
     tile = dict(N=384, K=3584, top_k=16, BM=32, waves=4, n_rep=2)
     down = dict(stage=2, N=3584, K=384, top_k=16)
     got = [
-        KernelConfig("gfx942", 1, "int4", activation="silu", **tile).with_activation(SITU).name,
-        KernelConfig("gfx942", 1, "int4", activation="silu", has_offsets=True, **tile).name,
-        KernelConfig("gfx950", 1, "mxfp4", activation="silu", act_dtype="fp8", **tile).with_activation(
-            SITU, betas="runtime").name,
-        KernelConfig("gfx950", weight_format="mxfp4", act_dtype="fp4", reduce="atomic", split_k=3, **down).name,
-        KernelConfig("gfx950", weight_format="int4", waves_per_eu=2, a_lds=True, **down).name,
+        kernel_config("gfx942", 1, "int4", **tile).with_activation(SITU).name,
+        kernel_config("gfx942", 1, "int4", has_offsets=True, **tile).name,
+        kernel_config("gfx950", 1, "mxfp4", act_dtype="fp8", **tile).with_activation(SITU, betas="runtime").name,
+        kernel_config("gfx950", weight_format="mxfp4", act_dtype="fp4", reduce="atomic", split_k=3, **down).name,
+        kernel_config("gfx950", weight_format="int4", waves_per_eu=2, schedule=KLoop.LDS, **down).name,
+        kernel_config("gfx942", 1, "int4", k_waves=7, waves=1, n_rep=1, schedule=KLoop.GLOBAL_PREFETCH,
+                      direct_experts=896, N=384, K=3584).name,
+        kernel_config("gfx942", 2, "int4", 3584, 384, BM=64, schedule=KLoop.LDS_LOAD_FIRST).name,
         QuantConfig("gfx950", "fp4").name,
         QuantConfig("gfx950", "fp8", waves=2).name,
     ]
@@ -168,6 +175,8 @@ def test_names_are_pinned_for_every_field_that_enters_them():
         "k3moe_s1_gfx950_mxfp4_a8_n384_k3584_top16_bm32_w4x2_u1_situv2_rtbeta",
         "k3moe_s2_gfx950_mxfp4_a4_n3584_k384_top16_bm16_w4x2_u1_red_atomic_sk3",
         "k3moe_s2_gfx950_int4_n3584_k384_top16_bm16_w4x2_u1_lds_wpe2_red_slots",
+        "k3moe_s1_gfx942_int4_n384_k3584_top16_bm16_w1x1_kw7_u1_pf_dir896_silu",
+        "k3moe_s2_gfx942_int4_n3584_k384_top16_bm64_w4x2_u1_lds_lf_red_slots",
         "k3moe_q_gfx950_fp4_w4",
         "k3moe_q_gfx950_fp8_w2",
     ]
@@ -199,8 +208,9 @@ def test_quantized_tiles_keep_scale_groups_whole(act_dtype, hidden, inter):
     for n in (1, 129, 2049, 100000):
         c1, c2 = tiles.stage_configs("gfx950", "mxfp4", hidden=hidden, inter=inter, top_k=8, num_tokens=n,
                                      activation=SITU, act_dtype=act_dtype)
-        assert c1.n_rep % 2 == 0 and not c1.a_lds and not c2.a_lds and c1.act_dtype == c2.act_dtype == act_dtype
-        assert c1.BN == c1.waves * c1.n_rep * 16 and inter % c1.BN == 0
+        assert c1.tile.n_rep % 2 == 0 and not c1.tile.schedule.staged and not c2.tile.schedule.staged
+        assert c1.act_dtype == c2.act_dtype == act_dtype
+        assert c1.BN == c1.tile.waves * c1.tile.n_rep * 16 and inter % c1.BN == 0
 
 
 def test_quantized_names_differ_from_bf16_and_from_each_other():
@@ -208,3 +218,41 @@ def test_quantized_names_differ_from_bf16_and_from_each_other():
              for a in ("bf16", "fp8", "fp4")}
     assert len(set(names.values())) == 3 and "_a8_" in names["fp8"] and "_a4_" in names["fp4"]
     assert all(n.endswith(SITU.cache_tag()) for n in names.values())
+
+
+# ------------------------------------------------------------------ the K-loop schedule and the table's schema
+def test_the_schedule_is_one_of_the_legal_combinations_of_the_three_old_flags():
+    legal = {(s.staged, s.prefetch, s.load_first) for s in KLoop}
+    assert len(legal) == len(KLoop) == 6 and not any(pf and lf for _, pf, lf in legal)
+    for s in KLoop:
+        assert KLoop.from_flags(s.staged, s.prefetch, s.load_first) is s
+        assert s.with_staging(not s.staged).with_staging(s.staged) is s
+    with pytest.raises(ValueError, match="load_first .* choose one"):
+        KLoop.from_flags(True, prefetch=True, load_first=True)
+
+
+def test_tables_written_before_the_schedule_are_read_as_the_same_tiles():
+    """User tables from `kimi-k3-moe tune` before KLoop spell it as a_lds/prefetch/load_first."""
+    legacy = copy.deepcopy(raw_table())
+    for arch in ("gfx942", "gfx950"):
+        for row in legacy[arch]:
+            for stage in ("stage1", "stage2"):
+                tile = row[stage]
+                schedule = KLoop(tile.pop("schedule"))
+                tile["a_lds"] = schedule.staged
+                if schedule.prefetch or schedule.load_first:
+                    tile["prefetch" if schedule.prefetch else "load_first"] = True
+    assert tiles.load_table(legacy) == tiles.default_table()
+    assert Tile.from_row({"waves": 4, "n_rep": 2, "kb_unroll": 1, "a_lds": False}) == Tile()
+    with pytest.raises(ValueError, match="either schedule or a_lds"):
+        Tile.from_row({"waves": 4, "n_rep": 2, "kb_unroll": 1, "prefetch": True})
+
+
+def test_every_tier_row_reads_back_as_itself():
+    for arch, tiers in tiles.default_table().items():
+        assert tiles.load_table({arch: [tiles.tier_row(t) for t in tiers]})[arch] == tiers
+
+
+def test_configs_cross_the_compile_process_boundary_unchanged():
+    for cfg in ci_configs():
+        assert config_from_json(config_to_json(cfg)) == cfg

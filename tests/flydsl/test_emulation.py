@@ -23,13 +23,13 @@ from importlib import resources
 import pytest
 import torch
 
-from fly_helpers import SILU, SITU, random_layer, random_routing, with_offsets
+from fly_helpers import SILU, SITU, kernel_config, random_layer, random_routing, with_offsets
 from kimi_k3_moe.activation import ActivationSpec
 from k3lab.flydsl import emulator
 from kimi_k3_moe.kernels.flydsl import layout, pipeline, tiles
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig
+from kimi_k3_moe.kernels.flydsl.config import KLoop, RowBlocks
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.reference import dense_moe, relative_l2
 from kimi_k3_moe.weights.requant import requantize_experts
@@ -221,7 +221,7 @@ def test_the_fused_top_k_sum_matches_the_sum_kernel_bit_for_bit_in_any_workgroup
     assert relative_l2(results[9, "silu"].float(), results[9, "situv2"].float()) > 0.05
     c2 = tiles.stage_configs(arch, prep.weight_format, hidden=H, inter=I, top_k=K, num_tokens=9, activation=SITU,
                              reduce="fused", table=tiles_, bf16_out=False)[1]
-    assert c2.reduce == "slots"
+    assert c2.reduction.kind == "slots"
 
 
 def test_asymmetric_int4_offsets_are_honoured(gen):
@@ -241,11 +241,12 @@ def test_kernel_variants_runtime_betas_atomic_split_k_and_unroll(gen, arch):
     weight_format = prep.weight_format
     c1, c2 = tiles.stage_configs(arch, weight_format, hidden=H, inter=256, top_k=K, num_tokens=T, activation=SITU)
     variants = [
-        (c1.with_activation(SITU, betas="runtime"), replace(c2, reduce="atomic", split_k=2)),
-        (replace(c1, kb_unroll=2, waves=2, BM=32, a_lds=True), replace(c2, kb_unroll=2, BM=32, a_lds=True)),
+        (c1.with_activation(SITU, betas="runtime"), c2.with_reduction("atomic", split_k=2)),
+        (replace(c1, rows=RowBlocks(32), tile=replace(c1.tile, kb_unroll=2, waves=2, schedule=KLoop.LDS)),
+         replace(c2, rows=RowBlocks(32), tile=replace(c2.tile, kb_unroll=2, schedule=KLoop.LDS))),
     ]
     for v1, v2 in variants:
-        check(prep, arch, x, tw, ids, SITU, reduce=v2.reduce, configs=(v1, v2))
+        check(prep, arch, x, tw, ids, SITU, reduce=v2.reduction.kind, configs=(v1, v2))
 
 
 def _k_block_ignoring_wave(bid_k, wave_k, it, u, k_waves, iters, U, _orig=layout.k_block):
@@ -270,12 +271,12 @@ def test_k_split_over_waves_matches_the_reference_and_its_indices_are_checked(ge
         c1, c2 = tiles.stage_configs(arch, weight_format, hidden=hidden, inter=I, top_k=K, num_tokens=3, activation=SITU,
                                      has_offsets=prep.has_offsets, direct_experts=direct)
         for waves, k_waves in ((1, 4), (2, 2)):
-            v1 = replace(c1, waves=waves, k_waves=k_waves, a_lds=False)
+            v1 = c1.with_tile(waves=waves, k_waves=k_waves, schedule=c1.tile.schedule.with_staging(False))
             use = ids if direct else ids.long()          # int64 ids take the aligned layout
             results[direct, k_waves] = check(prep, arch, x, tw, use, SITU, configs=(v1, c2))
             silu = check(prep, arch, x, tw, use, SILU, configs=(v1.with_activation(SILU), c2))
             assert relative_l2(results[direct, k_waves], silu) > 0.05
-    v1 = replace(c1, waves=1, k_waves=4, a_lds=False)
+    v1 = c1.with_tile(waves=1, k_waves=4, schedule=c1.tile.schedule.with_staging(False))
     for name, wrong in (("k_block", _k_block_ignoring_wave), ("reduce_lds_byte_offset", _partials_on_one_slot)):
         with monkeypatch.context() as m:
             m.setattr(layout, name, wrong)
@@ -425,8 +426,8 @@ def test_int4_group_scaling_in_fp32_loses_little_to_cancellation(gen, offsets, x
     w = int4.Int4Weights(int4.pack_signed(codes), scales, offsets=offs)
     packed = FlyDSLExperts.layout.swizzle(w.packed, "int4")
     x = (torch.randn(T_, Kd, generator=gen) + x_mean).to(torch.bfloat16)
-    cfg = KernelConfig("gfx942", 2, "int4", N=N, K=Kd, top_k=1, BM=16, waves=4, n_rep=2, reduce="atomic",
-                       has_offsets=offsets)
+    cfg = kernel_config("gfx942", 2, "int4", N=N, K=Kd, top_k=1, BM=16, waves=4, n_rep=2, reduce="atomic",
+                        has_offsets=offsets)
     y = torch.zeros(T_ * N)
     args = (x.reshape(-1), packed.reshape(-1), scales.reshape(-1),
             (offs if offsets else torch.zeros(1, dtype=torch.bfloat16)).reshape(-1),

@@ -210,12 +210,12 @@ def test_quantized_operand_loads_follow_the_scaled_mfma_abi():
 
 def test_valu_per_1k_weights_counts_the_k_loop_body_only():
     from k3lab.flydsl.artifacts import valu_per_1k_weights, weights_per_iteration
-    from kimi_k3_moe.kernels.flydsl.config import KernelConfig
+    from fly_helpers import kernel_config
 
     isa = "\n".join(["\tv_mov_b32 v0, 0", ".LBB0_1:", "\tbuffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen",
                      "\tv_and_or_b32 v5, v0, s2, v9", "\tv_pk_fma_f32 v[6:7], v[6:7], v[8:9], v[6:7]",
                      "\tv_mfma_f32_16x16x16_bf16 v[10:13], v[0:1], v[2:3], 0", "\ts_cbranch_scc1 .LBB0_1",
                      "\tv_add_f32 v1, v1, v1", "\ts_endpgm"])
-    cfg = KernelConfig("gfx942", 2, "int4", N=3584, K=384, top_k=16, n_rep=2)
+    cfg = kernel_config("gfx942", 2, "int4", N=3584, K=384, top_k=16, n_rep=2)
     assert weights_per_iteration(cfg) == 2 * 16 * 128
     assert valu_per_1k_weights(isa, cfg) == 2 * 1024 / 4096      # and-or + pk_fma; not the MFMA, not outside

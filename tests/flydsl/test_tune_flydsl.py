@@ -8,6 +8,8 @@ compile failure) and one asks for an impossible tile (refused before building).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from fly_helpers import SITU, random_layer, toolchain_or_skip
@@ -30,15 +32,15 @@ class Rigged(FlyDSLTarget):
     def candidates(self, tier, done):
         real = super().candidates(tier, done)[:2]
         base = real[0].config
-        no_linker = Tier(tier, base.BM, {**base.stage1, "kb_unroll": 2}, base.stage2)
+        no_linker = Tier(tier, base.BM, replace(base.stage1, kb_unroll=2), base.stage2)
         impossible = Tier(tier, 80, base.stage1, base.stage2)
-        wrong = Tier(tier, base.BM, base.stage1, {**base.stage2, "n_rep": 1})
+        wrong = Tier(tier, base.BM, base.stage1, replace(base.stage2, n_rep=1))
         return real + [Candidate(tier, "nolink", no_linker, f"T{tier} no-linker"),
                        Candidate(tier, "bm80", impossible, f"T{tier} impossible-tile"),
                        Candidate(tier, "wrong", wrong, f"T{tier} wrong-activation")]
 
     def _build(self, cfg):
-        if cfg.kb_unroll == 2 and cfg.stage == 1:
+        if cfg.tile.kb_unroll == 2 and cfg.stage == 1:
             saved, self.rocm = self.rocm, "/nonexistent/rocm"  # no ld.lld there: the link step fails
             try:
                 return super()._build(cfg)
@@ -53,9 +55,7 @@ class Rigged(FlyDSLTarget):
             s = self.shape
             cfgs = tiles.stage_configs(self.arch, self.weight_format, hidden=s.hidden, inter=s.inter, top_k=s.topk,
                                        num_tokens=cand.tier, activation=silu,
-                                       table=tiles.load_table({self.arch: [{"max_tokens": None, "BM": cand.config.BM,
-                                                               "stage1": cand.config.stage1,
-                                                               "stage2": cand.config.stage2}]}))
+                                       table={self.arch: (replace(cand.config, max_tokens=None),)})
             return lambda h, w, i, emap: pipeline.moe_forward(self.prepared, h, w, i, silu, emap, arch=self.arch,
                                                         launch=emulator.launch, configs=cfgs)
         return super().runner(cand)

@@ -23,7 +23,7 @@ from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels.flydsl import SPEC, supported_act_dtypes, supported_weight_formats
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
-from kimi_k3_moe.kernels.flydsl.config import BETA_MODES, REDUCTIONS, KernelConfig, QuantConfig, check_arch
+from kimi_k3_moe.kernels.flydsl.config import BETA_MODES, REDUCTIONS, FlyKernelConfig, QuantConfig, check_arch
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.kernels.common import alignment
 from kimi_k3_moe.platform import detect_platform, for_arch, is_rocm
@@ -71,7 +71,7 @@ class FlyDSLBackend(MoEBackend):
         self.format = WeightFormat.of(weight_format, int4_method) if weight_format else None
         self.betas = betas
         self.reduce = reduce
-        self._compiled: dict[KernelConfig, Any] = {}
+        self._compiled: dict[FlyKernelConfig, Any] = {}
         self._ready: tuple[bool, str] | None = None
 
     def describe(self) -> str:
@@ -169,7 +169,7 @@ class FlyDSLBackend(MoEBackend):
                 names.append(cfg.name)
         return names
 
-    def _compiled_for(self, cfg: KernelConfig | QuantConfig):
+    def _compiled_for(self, cfg: FlyKernelConfig | QuantConfig):
         compiled = self._compiled.get(cfg)
         if compiled is None:
             import flydsl.compiler as flyc
@@ -184,7 +184,7 @@ class FlyDSLBackend(MoEBackend):
             self._compiled[cfg] = compiled
         return compiled
 
-    def _launch(self, cfg: KernelConfig | QuantConfig, args: tuple) -> None:
+    def _launch(self, cfg: FlyKernelConfig | QuantConfig, args: tuple) -> None:
         compiled = self._compiled_for(cfg)
         stream = torch.cuda.current_stream(self.device_index)
         try:

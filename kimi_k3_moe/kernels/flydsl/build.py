@@ -4,14 +4,13 @@ driver CI and benchmarks/flydsl_resources.py use.
 An instruction the target lacks aborts LLVM (SIGABRT, "Cannot select"), so the
 driver compiles each configuration in its own process:
 
-    python -m kimi_k3_moe.kernels.flydsl.build --config '<KernelConfig as JSON>' --out DIR
+    python -m kimi_k3_moe.kernels.flydsl.build --config '<config_to_json(cfg)>' --out DIR
 
 writes DIR/<name>.{hsaco,s,json} and prints one `REPORT {json}` line.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -19,23 +18,24 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.kernels.flydsl import code_object
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig
+from kimi_k3_moe.kernels.flydsl.config import (Activation, FlyKernelConfig, GemmShape, KLoop, QuantConfig, Reduction,
+                                                RowBlocks, Tile)
 from kimi_k3_moe.kernels.flydsl.toolchain import compile_env
 
 
 @functools.lru_cache(maxsize=None)
-def launcher(cfg: KernelConfig | QuantConfig):
+def launcher(cfg: FlyKernelConfig | QuantConfig):
     """The @flyc.jit launcher of `cfg`, built once per process (keyed by every codegen field)."""
-    from kimi_k3_moe.kernels.flydsl._details import moe_gemm
-    return moe_gemm.build_quant(cfg) if isinstance(cfg, QuantConfig) else moe_gemm.build(cfg)
+    from kimi_k3_moe.kernels.flydsl._details import act_quant_kernel, moe_gemm
+    return act_quant_kernel.build(cfg) if isinstance(cfg, QuantConfig) else moe_gemm.build(cfg)
 
 
-def placeholder_args(cfg: KernelConfig | QuantConfig) -> tuple:
+def placeholder_args(cfg: FlyKernelConfig | QuantConfig) -> tuple:
     """CPU tensors of the right dtypes and rank: all a compile-only trace looks at."""
     import torch
 
@@ -45,7 +45,7 @@ def placeholder_args(cfg: KernelConfig | QuantConfig) -> tuple:
     scale_dtype = bf16 if cfg.weight_format == INT4 else u8
     act_dtype = u8 if cfg.quantized else bf16
     if cfg.stage == 2:
-        y_dtype = f32 if cfg.reduce == "atomic" else bf16
+        y_dtype = f32 if cfg.reduction.kind == "atomic" else bf16
     else:
         y_dtype = act_dtype
     tensors = (torch.zeros(64, dtype=act_dtype), torch.zeros(64, dtype=u8), torch.zeros(64, dtype=scale_dtype),
@@ -60,13 +60,27 @@ def placeholder_args(cfg: KernelConfig | QuantConfig) -> tuple:
     return (*tensors, *extra, 1, cfg.BM, 4.0, 25.0)
 
 
-def config_to_json(cfg: KernelConfig | QuantConfig) -> str:
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+def config_to_json(cfg: FlyKernelConfig | QuantConfig) -> str:
+    """The config as JSON (the compile child's argument, the build report's "config"), with its stage."""
+    if isinstance(cfg, QuantConfig):
+        return json.dumps({"stage": 0, **asdict(cfg)}, sort_keys=True)
+    out = asdict(replace(cfg, epilogue=Reduction()))
+    out["tile"]["schedule"] = cfg.tile.schedule.value
+    out["epilogue"] = asdict(cfg.epilogue)
+    return json.dumps({"stage": cfg.stage, **out}, sort_keys=True)
 
 
-def config_from_json(text: str) -> KernelConfig | QuantConfig:
-    fields = json.loads(text)
-    return QuantConfig(**fields) if fields.get("stage") == 0 else KernelConfig(**fields)
+def config_from_json(text: str) -> FlyKernelConfig | QuantConfig:
+    data = json.loads(text)
+    stage = data.pop("stage")
+    if stage == 0:
+        return QuantConfig(**data)
+    epilogue = (Activation if stage == 1 else Reduction)(**data.pop("epilogue"))
+    tile = data.pop("tile")
+    tile["schedule"] = KLoop(tile["schedule"])
+    return FlyKernelConfig(**{**data, "shape": GemmShape(**data["shape"]), "rows": RowBlocks(**data["rows"]),
+                              "tile": Tile(**tile), "epilogue": epilogue})
+
 
 
 # ------------------------------------------------------------------ in the child process
@@ -90,7 +104,7 @@ def _hsaco_from_artifact(artifact) -> bytes:
     return found[0]
 
 
-def compile_here(cfg: KernelConfig | QuantConfig, out_dir: str | os.PathLike) -> dict:
+def compile_here(cfg: FlyKernelConfig | QuantConfig, out_dir: str | os.PathLike) -> dict:
     """Compile `cfg` in this process (env from toolchain.compile_env) and describe the result."""
     arch = os.environ.get("FLYDSL_GPU_ARCH")
     if arch != cfg.arch or os.environ.get("ARCH", arch) != arch or os.environ.get("COMPILE_ONLY") != "1":
@@ -117,7 +131,7 @@ def compile_here(cfg: KernelConfig | QuantConfig, out_dir: str | os.PathLike) ->
     isa = isa_files[-1].read_text()
     (out_dir / f"{cfg.name}.s").write_text(isa)
     report = {
-        "name": cfg.name, "config": dataclasses.asdict(cfg), "compile_s": round(seconds, 2),
+        "name": cfg.name, "config": json.loads(config_to_json(cfg)), "compile_s": round(seconds, 2),
         "artifact_key": artifact_key, "disk_cache_key": _disk_cache_key(artifact_key),
         "jit_name": launch.func.__name__, "hsaco_bytes": len(elf), "metadata": meta,
         "isa": code_object.isa_stats(isa),
@@ -129,7 +143,7 @@ def compile_here(cfg: KernelConfig | QuantConfig, out_dir: str | os.PathLike) ->
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="compile one FlyDSL MoE kernel (compile-only)")
-    parser.add_argument("--config", required=True, help="KernelConfig as JSON")
+    parser.add_argument("--config", required=True, help="config_to_json of a FlyKernelConfig or QuantConfig")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     report = compile_here(config_from_json(args.config), args.out)
@@ -140,7 +154,7 @@ def main(argv=None) -> int:
 # ------------------------------------------------------------------ the driver
 @dataclass
 class CompileResult:
-    config: KernelConfig
+    config: FlyKernelConfig
     status: str                  # ok | sigabrt | failed | llvm-errors | timeout
     wall_s: float
     report: dict | None = None
@@ -152,7 +166,7 @@ class CompileResult:
         return self.status == "ok"
 
 
-def compile_in_subprocess(cfg: KernelConfig, out_dir: str | os.PathLike, *, rocm: str | os.PathLike,
+def compile_in_subprocess(cfg: FlyKernelConfig, out_dir: str | os.PathLike, *, rocm: str | os.PathLike,
                           timeout: float = 600.0, python: str = sys.executable) -> CompileResult:
     """Compile `cfg` in a fresh interpreter; an LLVM abort only loses this config.
 

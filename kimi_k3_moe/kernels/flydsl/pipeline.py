@@ -27,14 +27,14 @@ from kimi_k3_moe.act_quant import BF16
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.flydsl import tiles
 from kimi_k3_moe.kernels.flydsl import layout
-from kimi_k3_moe.kernels.flydsl.config import KernelConfig, QuantConfig, runtime_betas
+from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, GemmShape, QuantConfig, runtime_betas
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.kernels.common.alignment import align_launches, direct_pairs
 from kimi_k3_moe.kernels.common.elementwise import cast_copy, zero_fill
 from kimi_k3_moe.kernels.common.topk_sum import topk_reduce
 from kimi_k3_moe.reference import check_routing
 
-Launch = Callable[[KernelConfig | QuantConfig, tuple], None]
+Launch = Callable[[FlyKernelConfig | QuantConfig, tuple], None]
 INT32_LIMIT = 2**31 - 1
 
 
@@ -59,25 +59,24 @@ def _quantized(elements: int, act_dtype: str, device) -> tuple[torch.Tensor, tor
 
 def _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts, bf16_out):
     cfg1, cfg2 = configs
-    want = {"weight_format": experts.weight_format, "has_offsets": experts.has_offsets, "top_k": k,
-            "act_dtype": act_dtype}
+    want = {"weight_format": experts.weight_format, "has_offsets": experts.has_offsets, "act_dtype": act_dtype}
     for cfg, stage, N, K in ((cfg1, 1, I, H), (cfg2, 2, H, I)):
         got = {f: getattr(cfg, f) for f in want}
-        if cfg.stage != stage or (cfg.N, cfg.K) != (N, K) or got != want:
+        if cfg.stage != stage or cfg.shape != GemmShape(N, K, k) or got != want:
             raise ValueError(f"pinned config {cfg.name} does not fit stage {stage} of this layer "
-                             f"(N={N}, K={K}, {want})")
-    if cfg1.BM != cfg2.BM or cfg1.direct != cfg2.direct:
+                             f"(N={N}, K={K}, top_k={k}, {want})")
+    if cfg1.BM != cfg2.BM or cfg1.rows.direct != cfg2.rows.direct:
         raise ValueError(f"pinned configs lay rows out differently (BM {cfg1.BM} vs {cfg2.BM}, "
-                         f"direct {cfg1.direct} vs {cfg2.direct})")
-    if cfg1.direct and direct_experts != cfg1.num_experts:
-        raise ValueError(f"pinned direct configs bound ids by {cfg1.num_experts} experts, but this routing "
+                         f"direct {cfg1.rows.direct} vs {cfg2.rows.direct})")
+    if cfg1.rows.direct and direct_experts != cfg1.rows.direct_experts:
+        raise ValueError(f"pinned direct configs bound ids by {cfg1.rows.direct_experts} experts, but this routing "
                          + ("needs the alignment (an expert map or int64 ids)" if direct_experts is None
                             else f"has {direct_experts}"))
     if cfg2.sums_tokens and not bf16_out:
         raise ValueError(f"pinned config {cfg2.name} writes a bf16 output; this forward's is not bf16")
     if cfg1.BM > tiles.MAX_BM:
         raise ValueError(f"pinned BM {cfg1.BM} exceeds {tiles.MAX_BM} (buffer offsets are sized for it)")
-    runtime = cfg1.activation == "situv2" and cfg1.betas == "runtime"
+    runtime = cfg1.activation.name == "situv2" and cfg1.activation.betas == "runtime"
     if (activation.name != "situv2") if runtime else (cfg1.activation_spec() != activation):
         raise ValueError(f"pinned stage-1 config {cfg1.name} does not compute {activation}")
     return cfg1, cfg2
@@ -87,7 +86,7 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
                 topk_ids: torch.Tensor, activation: ActivationSpec, expert_map: torch.Tensor | None, *,
                 arch: str, launch: Launch, betas: str = "const", reduce: str = "auto",
                 chunk_tokens: int | None = None, table: dict | None = None,
-                configs: tuple[KernelConfig, KernelConfig] | None = None,
+                configs: tuple[FlyKernelConfig, FlyKernelConfig] | None = None,
                 act_dtype: str = BF16) -> torch.Tensor:
     """[T, H] -> [T, H] in hidden's dtype: this rank's sum over its experts.
 
@@ -132,7 +131,7 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
             cfg1, cfg2 = _check_pinned(configs, experts, activation, H, I, k, act_dtype, direct_experts, bf16_out)
         chunk_ids = ids[start:stop]
         book = None
-        if cfg1.direct:
+        if cfg1.rows.direct:
             pairs = direct_pairs(chunk_ids, None, cfg1.BM, E)
             sid, block_expert, P = pairs.block_expert, pairs.block_expert, pairs.num_pairs * cfg1.BM
         else:
@@ -145,7 +144,7 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
             for launch_ in align:
                 launch_()
             sid, block_expert, P = pairs.sorted_pairs, pairs.block_expert, pairs.max_rows
-        beta, lin_beta = runtime_betas(activation) if cfg1.betas == "runtime" else (0.0, 0.0)
+        beta, lin_beta = runtime_betas(activation) if cfg1.activation.betas == "runtime" else (0.0, 0.0)
         weights = tw[start:stop].reshape(-1)
         # quantized kernels take two more tensors after the output: input scales, output scales
         if cfg1.quantized:
@@ -169,7 +168,7 @@ def moe_forward(experts: FlyDSLExperts, hidden: torch.Tensor, topk_weights: torc
                           n, P, 0.0, 0.0))
             continue
         launch(cfg2, (inter, w2, s2, o2, sid, block_expert, weights, y, *scales2, n, P, 0.0, 0.0))
-        if cfg2.reduce == "slots":
+        if cfg2.reduction.kind == "slots":
             # the deterministic top-k reduction: fp32 sum over each token's slots, in slot order
             topk_reduce(y.view(n * k, H), pairs, out[start:stop], k)()
         else:

@@ -7,24 +7,28 @@ is no other rule and no heuristic: every count >= 1 gets exactly one tier, and
 `stage_configs` fits that tier's tile to the layer's shape (same rules on every
 path: narrower tiles when N is not a multiple of the tile width, never an error
 for a shape the kernels can serve).
+
+A tier's stage tile is a `config.Tile`; its JSON row names waves, n_rep, kb_unroll and
+the K-loop `schedule` (optionally k_waves and waves_per_eu). Rows written before the
+schedule (a_lds / prefetch / load_first booleans, e.g. older `kimi-k3-moe tune` tables)
+are read as the same tiles.
 """
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Any
 
 from kimi_k3_moe.act_quant import BF16
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.amd_archs import AMD_ARCHS
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels.flydsl import layout
-from kimi_k3_moe.kernels.flydsl.config import REDUCTIONS, KernelConfig, check_arch
+from kimi_k3_moe.kernels.flydsl.config import (REDUCTIONS, Activation, FlyKernelConfig, GemmShape, KLoop,
+                                                Reduction, RowBlocks, Tile, check_arch)
 
 TABLE = "flydsl_tiles.json"
-TILE_FIELDS = ("waves", "n_rep", "kb_unroll", "a_lds")
-OPTIONAL_TILE_FIELDS = ("waves_per_eu", "prefetch", "load_first", "k_waves")
 MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks up to this
 
 
@@ -32,8 +36,8 @@ MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks u
 class Tier:
     max_tokens: int | None
     BM: int
-    stage1: dict[str, Any]
-    stage2: dict[str, Any]
+    stage1: Tile
+    stage2: Tile
     # the direct layout (no alignment launch) where the routing allows it: one pair per block
     direct: bool = False
     # the top-k sum by default ("auto"): deterministic slots rows, or fp32 atomics where those model faster
@@ -60,11 +64,19 @@ def _validate(arch: str, tiers: list[Tier]) -> None:
         if not isinstance(t.BM, int) or not 16 <= t.BM <= MAX_BM or t.BM % 16:
             raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: BM={t.BM} must be a multiple of 16 "
                              f"in [16, {MAX_BM}]")
-        for stage in ("stage1", "stage2"):
-            keys = set(getattr(t, stage))
-            if not set(TILE_FIELDS) <= keys <= set(TILE_FIELDS + OPTIONAL_TILE_FIELDS):
-                raise ValueError(f"{TABLE}[{arch}] tier {t.max_tokens}: {stage} must set {TILE_FIELDS} "
-                                 f"(optionally {OPTIONAL_TILE_FIELDS}), got {sorted(keys)}")
+
+
+def _tier(arch: str, row: dict) -> Tier:
+    where = f"{TABLE}[{arch}] tier {row.get('max_tokens')}"
+    return Tier(row["max_tokens"], row["BM"], Tile.from_row(row["stage1"], f"{where}: stage1"),
+                Tile.from_row(row["stage2"], f"{where}: stage2"), row.get("direct", False), row.get("reduce", "slots"))
+
+
+def tier_row(tier: Tier) -> dict:
+    """The table's JSON row of `tier` (what load_table reads back)."""
+    row = {"max_tokens": tier.max_tokens, "BM": tier.BM, "stage1": tier.stage1.to_row(),
+           "stage2": tier.stage2.to_row(), "reduce": tier.reduce}
+    return {**row, "direct": True} if tier.direct else row
 
 
 def load_table(data: dict | None = None) -> dict[str, tuple[Tier, ...]]:
@@ -76,8 +88,7 @@ def load_table(data: dict | None = None) -> dict[str, tuple[Tier, ...]]:
         if arch == "about":
             continue
         check_arch(arch)
-        tiers = [Tier(r["max_tokens"], r["BM"], dict(r["stage1"]), dict(r["stage2"]), r.get("direct", False),
-                      r.get("reduce", "slots")) for r in rows]
+        tiers = [_tier(arch, r) for r in rows]
         _validate(arch, tiers)
         table[arch] = tuple(tiers)
     return table
@@ -103,7 +114,8 @@ def _user_tiers(entry: dict) -> list:
 
 
 def _check_user_entry(key: str, entry: dict) -> None:
-    load_table({"gfx950": [_user_row(r) for r in entry["tiers"]]})
+    # the tiers' checks hold on every arch; the entry's own arch is the table's target_arch
+    load_table({next(iter(AMD_ARCHS)): [_user_row(r) for r in entry["tiers"]]})
 
 
 # what `kimi-k3-moe tune` writes for this backend (configs/user_tables.py reads and checks it)
@@ -136,8 +148,7 @@ def tier_for(arch: str, num_tokens: int, table: dict | None = None) -> Tier:
     raise AssertionError("unreachable: the last tier is open-ended (checked at load)")
 
 
-def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = False,
-         lds: bool = True) -> dict[str, Any]:
+def _fit(tile: Tile, BM: int, N: int, K: int, pairs: bool = False, lds: bool = True) -> Tile:
     """The tier's tile, narrowed until it divides this shape (n_rep first, then waves; k_waves for K).
 
     `pairs` (stage 1 with quantized activations: a wave's output columns must come in
@@ -147,36 +158,34 @@ def _fit(stage_tile: dict[str, Any], BM: int, N: int, K: int, pairs: bool = Fals
     if N % layout.MFMA_TILE or K % layout.K_BLOCK:
         raise ValueError(f"FlyDSL kernels need N % {layout.MFMA_TILE} == 0 and K % {layout.K_BLOCK} == 0 "
                          f"(got N={N}, K={K})")
-    tile = dict(stage_tile)
+    waves, n_rep, unroll = tile.waves, tile.n_rep, tile.kb_unroll
     low = 2 if pairs else 1
-    if pairs and tile["n_rep"] % 2:
-        tile["n_rep"] *= 2
-        tile["waves"] = max(1, tile["waves"] // 2)
+    if pairs and n_rep % 2:
+        n_rep, waves = n_rep * 2, max(1, waves // 2)
     if pairs and N % (2 * layout.MFMA_TILE):
         raise ValueError(f"quantized activations need N % 32 == 0 (one e8m0 scale per 32 columns), got N={N}")
-    while N % (tile["waves"] * tile["n_rep"] * layout.MFMA_TILE):
-        if tile["n_rep"] > low:
-            tile["n_rep"] //= 2
+    while N % (waves * n_rep * layout.MFMA_TILE):
+        if n_rep > low:
+            n_rep //= 2
         else:
-            tile["waves"] //= 2
-    while K % (layout.K_BLOCK * tile["kb_unroll"]):
-        tile["kb_unroll"] //= 2
-    if not lds or (tile["a_lds"] and (BM * 16 * tile["kb_unroll"]) % (tile["waves"] * layout.LANES)):
-        tile["a_lds"] = False
-    if not lds:   # quantized activations: their loops keep waiting on the prefetched block (ISA), so none
-        tile.pop("prefetch", None)
-        tile.pop("k_waves", None)   # and they are not split over waves
-        tile.pop("load_first", None)   # no staged tile: their loads come first anyway
-    while (K // (layout.K_BLOCK * tile["kb_unroll"])) % tile.get("k_waves", 1):
-        tile["k_waves"] -= 1
-    return tile
+            waves //= 2
+    while K % (layout.K_BLOCK * unroll):
+        unroll //= 2
+    schedule, k_waves = tile.schedule, tile.k_waves
+    if not lds:   # quantized activations: loaded by each wave, their loops keep waiting on a prefetched
+        schedule, k_waves = KLoop.GLOBAL, 1   # block (ISA), and they are not split over waves
+    elif schedule.staged and (BM * 16 * unroll) % (waves * layout.LANES):
+        schedule = schedule.with_staging(False)
+    while (K // (layout.K_BLOCK * unroll)) % k_waves:
+        k_waves -= 1
+    return replace(tile, waves=waves, n_rep=n_rep, kb_unroll=unroll, k_waves=k_waves, schedule=schedule)
 
 
 def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int, num_tokens: int,
                   activation: ActivationSpec, betas: str = "const", has_offsets: bool = False,
                   reduce: str = "auto", act_dtype: str = BF16,
                   direct_experts: int | None = None, table: dict | None = None,
-                  bf16_out: bool = True) -> tuple[KernelConfig, KernelConfig]:
+                  bf16_out: bool = True) -> tuple[FlyKernelConfig, FlyKernelConfig]:
     """(stage 1, stage 2) kernel configs for a layer of this shape at this token count.
 
     `direct_experts`: the layer's expert count where the routing can take the direct layout (int32
@@ -190,27 +199,25 @@ def stage_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top
     tier = tier_for(arch, num_tokens, table)
     quantized = act_dtype != BF16
     direct = tier.direct and direct_experts is not None and not quantized
-    common = dict(arch=arch, weight_format=weight_format, top_k=top_k, BM=tier.BM, has_offsets=has_offsets,
-                  act_dtype=act_dtype, direct=direct,
-                  num_experts=direct_experts if direct else 0)
-    s1 = KernelConfig(stage=1, N=inter, K=hidden, activation="silu", **common,
-                      **_fit(tier.stage1, tier.BM, inter, hidden, pairs=quantized, lds=not quantized)
-                      ).with_activation(activation, betas)
+    common = dict(arch=arch, weight_format=weight_format, has_offsets=has_offsets, act_dtype=act_dtype,
+                  rows=RowBlocks(tier.BM, direct_experts if direct else 0))
+    s1 = FlyKernelConfig(shape=GemmShape(inter, hidden, top_k), epilogue=Activation.of(activation, betas),
+                         tile=_fit(tier.stage1, tier.BM, inter, hidden, pairs=quantized, lds=not quantized), **common)
     reduce = tier.reduce if reduce == "auto" else reduce
     if reduce == "fused" and (direct or quantized or not bf16_out):
         reduce = "slots"
-    s2 = KernelConfig(stage=2, N=hidden, K=inter, reduce=reduce, **common,
-                      **_fit(tier.stage2, tier.BM, hidden, inter, lds=not quantized))
+    s2 = FlyKernelConfig(shape=GemmShape(hidden, inter, top_k), epilogue=Reduction(reduce),
+                         tile=_fit(tier.stage2, tier.BM, hidden, inter, lds=not quantized), **common)
     return s1, s2
 
 
 def sweep_configs(arch: str, weight_format: str, *, hidden: int, inter: int, top_k: int,
                   activations: list[ActivationSpec], has_offsets: bool = False, act_dtype: str = BF16,
-                  num_experts: int | None = None, table: dict | None = None) -> list[KernelConfig]:
+                  num_experts: int | None = None, table: dict | None = None) -> list[FlyKernelConfig]:
     """Every distinct config the table yields for this shape, per activation (CI compiles these);
     with `num_experts`, the direct tiers' configs too."""
     table = default_table() if table is None else table
-    seen: dict[KernelConfig, None] = {}
+    seen: dict[FlyKernelConfig, None] = {}
     for tier in table[check_arch(arch)]:
         n = tier.max_tokens or (table[arch][-2].max_tokens + 1 if len(table[arch]) > 1 else 1)
         for act in activations:

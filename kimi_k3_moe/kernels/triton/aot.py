@@ -18,16 +18,13 @@ import torch
 
 from kimi_k3_moe import platform
 from kimi_k3_moe.activation import ActivationSpec
+from kimi_k3_moe.amd_archs import AMD_ARCHS
 from kimi_k3_moe.kernels.triton.table import MoEConfig
 from kimi_k3_moe.kernels.common.launch import Launch
 from kimi_k3_moe.experts import INT4, MXFP4
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 
-TARGETS = {
-    "sm_90": ("cuda", 90, 32),
-    "gfx942": ("hip", "gfx942", 64),
-    "gfx950": ("hip", "gfx950", 64),
-}
+TARGETS = {"sm_90": ("cuda", 90, 32), **{a: ("hip", a, t.wave_size) for a, t in AMD_ARCHS.items()}}
 
 
 def blocks_per_sm(target: str, registers: int, num_warps: int, shared: int) -> int | None:

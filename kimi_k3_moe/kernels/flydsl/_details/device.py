@@ -179,21 +179,22 @@ def mma(cfg, acc, a8, b8):
 def activation_params(cfg, beta, lin_beta):
     """(beta, c_gate, lin_beta, c_up): Python floats folded into the code (const), or
     fx.Float32 kernel arguments (runtime; lin_beta <= 0 means up passes unchanged)."""
-    if cfg.activation != "situv2":
+    act = cfg.activation
+    if act.name != "situv2":
         return None
-    if cfg.betas == "const":
-        lb = cfg.linear_beta
-        return cfg.beta, L.tanh_coef(cfg.beta), lb, (None if lb is None else L.tanh_coef(lb))
+    if act.betas == "const":
+        lb = act.linear_beta
+        return act.beta, L.tanh_coef(act.beta), lb, (None if lb is None else L.tanh_coef(lb))
     two_log2e = fx.Float32(-2.0 * L.LOG2E)
     return beta, two_log2e / beta, lin_beta, two_log2e / lin_beta
 
 
 def activate(cfg, params, gate, up):
-    if cfg.activation == "silu":
+    if cfg.activation.name == "silu":
         return L.silu_mul(gate, up, exp2, rcp)
     b, cg, lb, cu = params
     return L.situv2_mul(gate, up, b, cg, lb, cu, exp2, rcp,
-                        select=select if cfg.betas == "runtime" else None)
+                        select=select if cfg.activation.betas == "runtime" else None)
 
 
 # --------------------------------------------------------------------- quantized activations (gfx950)
@@ -224,10 +225,10 @@ def load_u8(res, byte_off):
 
 def load_qact(cfg, res, row, kb, g):
     """The B operand of the scaled MFMA for one activation row: v4i32 (e2m1) or v8i32 (e4m3)."""
-    lo = load_v4i32(res, L.qact_byte_offset(row, kb, g, 0, cfg.K, cfg.act_dtype))
+    lo = load_v4i32(res, L.qact_byte_offset(row, kb, g, 0, cfg.shape.K, cfg.act_dtype))
     if cfg.act_dtype == FP4:
         return lo
-    hi = load_v4i32(res, L.qact_byte_offset(row, kb, g, 1, cfg.K, cfg.act_dtype))
+    hi = load_v4i32(res, L.qact_byte_offset(row, kb, g, 1, cfg.shape.K, cfg.act_dtype))
     return lo.shuffle(hi, list(range(8)))
 
 

@@ -21,21 +21,21 @@ def row_locals(cfg, BOOK, slots, tid):
     slot = slots[0]
     for mi in range(1, len(slots)):
         slot = ((tid >> 4) == mi).select(slots[mi], slot)
-    token = L.slot_token(slot, cfg.top_k)
+    token = L.slot_token(slot, cfg.shape.top_k)
     rbook = D.rsrc(fx.get_iter(BOOK))
-    return slot, [D.load_i32(rbook, L.local_byte_offset(token * cfg.top_k + j)) for j in range(cfg.top_k)]
+    return slot, [D.load_i32(rbook, L.local_byte_offset(token * cfg.shape.top_k + j)) for j in range(cfg.shape.top_k)]
 
 
 def arrive(cfg, BOOK, flags, tid, slot, local, num_tokens):
     """Count row `tid`'s arrival; in LDS, its token if this workgroup completes the token's tile (else
     -1), and the token's mask of slots on this rank."""
-    k = cfg.top_k
+    k = cfg.shape.top_k
     token = L.slot_token(slot, k)
     mask, need = fx.Int32(0), fx.Int32(0)
     for j in range(k):
         here = (local[j] >= 0).select(fx.Int32(1), fx.Int32(0))
         mask, need = mask | (here << j), need + here
-    old = D.count_arrival(BOOK, L.counter_byte_offset(token, fx.block_idx.y, num_tokens * k, cfg.N // cfg.BN))
+    old = D.count_arrival(BOOK, L.counter_byte_offset(token, fx.block_idx.y, num_tokens * k, cfg.shape.N // cfg.BN))
     last = (slot < num_tokens * k) & (old + 1 == need)
     fx.ptr_store(last.select(token, fx.Int32(-1)), fx.add_offset(flags, tid))
     fx.ptr_store(mask, fx.add_offset(flags, cfg.BM + tid))
@@ -44,7 +44,7 @@ def arrive(cfg, BOOK, flags, tid, slot, local, num_tokens):
 def sum_token(cfg, Y, OUT, flags, i, token, tid, num_tokens):
     """Thread `tid`'s 4 columns of a completed token: its slot rows summed in slot order in fp32 (absent
     slots add 0, as in the separate kernel), in bf16 into OUT."""
-    N, k = cfg.N, cfg.top_k
+    N, k = cfg.shape.N, cfg.shape.top_k
     col = fx.block_idx.y * cfg.BN + tid * 4
     mask = fx.Int32(fx.ptr_load(fx.add_offset(flags, cfg.BM + i), T.i32))
     rslots = D.rsrc(fx.get_iter(Y), fx.Int64(num_tokens) * (k * N * 2))
