@@ -11,7 +11,7 @@ PYTEST ?= $(VENV)/bin/python -m pytest
 DROP_VENVS ?= 0
 drop = $(if $(filter 1,$(DROP_VENVS)),rm -rf $(1),@true)
 
-.PHONY: demo test test-core test-triton test-compile-triton test-gsm8k test-flydsl venv
+.PHONY: demo lint test test-core test-triton test-compile-triton test-gsm8k test-flydsl venv
 
 venv: $(VENV)/.installed
 
@@ -24,7 +24,13 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/kimi-k3-moe demo
 
-test: test-core test-triton test-compile-triton test-gsm8k test-gsm8k-lmeval test-vllm-cpu test-flydsl test-vllm test-sglang
+test: lint test-core test-triton test-compile-triton test-gsm8k test-gsm8k-lmeval test-vllm-cpu test-flydsl test-vllm test-sglang
+
+# ruff with the rules pyproject.toml selects, over the package, tests and benchmarks
+RUFF_SPEC ?= ruff==0.17.6
+lint: venv
+	test -x $(VENV)/bin/ruff || $(VENV)/bin/pip install $(PIP_FLAGS) "$(RUFF_SPEC)"
+	$(VENV)/bin/ruff check .
 
 test-core: venv
 	$(PYTEST) tests/core

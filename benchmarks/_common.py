@@ -89,9 +89,9 @@ class Recipe:
 
 def _build_plan(recipe: Recipe, device="cuda"):
     from kimi_k3_moe.activation import ActivationSpec
-    from kimi_k3_moe.kernels.triton.table import MoEConfig
     from kimi_k3_moe.kernels.triton.layout import TritonExperts
     from kimi_k3_moe.kernels.triton.moe import plan_moe
+    from kimi_k3_moe.kernels.triton.table import MoEConfig
     e, h, i = recipe.num_experts, recipe.hidden, recipe.inter
     sdt = torch.uint8 if recipe.weight_format == "mxfp4" else torch.bfloat16
 

@@ -16,8 +16,8 @@ import torch
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.bench.data import expert_map_for, random_experts, random_hidden, random_routing
-from kimi_k3_moe.kernels.triton.table import heuristic_config
 from kimi_k3_moe.kernels import get_backend
+from kimi_k3_moe.kernels.triton.table import heuristic_config
 from kimi_k3_moe.weights.requant import requantize_experts
 
 SITU = ActivationSpec.situv2(4.0, 25.0)

@@ -28,22 +28,32 @@ import time
 import traceback
 from dataclasses import replace
 
-from _common import (SHAPES, Recipe, env_info, expert_map_for, log, poison_allocator, precompile,
-                     random_experts, random_hidden, random_routing, write_json)
-
 import torch  # noqa: E402
+from _common import (
+    SHAPES,
+    Recipe,
+    env_info,
+    expert_map_for,
+    log,
+    poison_allocator,
+    precompile,
+    random_experts,
+    random_hidden,
+    random_routing,
+    write_json,
+)
 
 from kimi_k3_moe.activation import ActivationSpec  # noqa: E402
-from kimi_k3_moe.kernels.triton.table import KOrder, heuristic_config  # noqa: E402
+from kimi_k3_moe.bench.data import RoutingSource  # noqa: E402
+from kimi_k3_moe.bench.routing import ROUTINGS, routings_arg  # noqa: E402
+from kimi_k3_moe.experts import Int4Experts, Mxfp4Experts  # noqa: E402
 from kimi_k3_moe.formats.bf16 import round_once  # noqa: E402
 from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.kernels.triton.probe import decode_rows  # noqa: E402
+from kimi_k3_moe.kernels.triton.table import KOrder, heuristic_config  # noqa: E402
 from kimi_k3_moe.reference import dense_moe, relative_l2  # noqa: E402
-from kimi_k3_moe.experts import Mxfp4Experts, Int4Experts  # noqa: E402
 from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
-from kimi_k3_moe.bench.data import RoutingSource  # noqa: E402
-from kimi_k3_moe.bench.routing import ROUTINGS, routings_arg  # noqa: E402
 
 TOLERANCE = 1e-2
 MIN_ACT_DIFFERENCE = 5e-2  # SiLU vs SiTUv2 outputs must differ by more than this (relative L2)

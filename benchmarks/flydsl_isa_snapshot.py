@@ -25,8 +25,8 @@ from kimi_k3_moe.kernels.flydsl.toolchain import rocm_root  # noqa: E402
 
 
 def snap(out: Path) -> int:
-    from kimi_k3_moe.kernels.flydsl.build import compile_many
     from k3lab.flydsl.sweep import ci_configs
+    from kimi_k3_moe.kernels.flydsl.build import compile_many
 
     rocm = rocm_root()
     if rocm is None:

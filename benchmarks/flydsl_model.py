@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flydsl_model_data as aiter_rows  # noqa: E402
 
-from kimi_k3_moe.amd_archs import AMD_ARCHS  # noqa: E402
 from k3lab.flydsl import isa_model  # noqa: E402
 from k3lab.flydsl.isa_model import Launch, Params  # noqa: E402
+from kimi_k3_moe.amd_archs import AMD_ARCHS  # noqa: E402
 
 H, I, E, TOP_K = 3584, 384, 896, 16          # Kimi-K3 routed experts, per rank at TP8
 TIERS = (1, 4, 16, 64, 128, 256, 1024, 4096, 16384)
@@ -143,8 +143,8 @@ def all_peer_specs() -> list[PeerSpec]:
 
 
 def our_configs(arch: str, tokens: int, reduce: str = "auto", act_dtype: str = "bf16"):
-    from kimi_k3_moe.kernels.flydsl import tiles
     from k3lab.flydsl.sweep import K3_SITU
+    from kimi_k3_moe.kernels.flydsl import tiles
     # as the forward picks them for the engines' routing: int32 ids, no expert map (direct tiers apply)
     return tiles.stage_configs(arch, FORMAT[arch], hidden=H, inter=I, top_k=TOP_K, num_tokens=tokens,
                                activation=K3_SITU, direct_experts=E, table=tiles.default_table(), reduce=reduce,
@@ -226,10 +226,10 @@ def glue_ops(arch: str, tokens: int, reduce: str = "auto", act_dtype: str = "bf1
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kimi_k3_moe.kernels.flydsl import pipeline
     from k3lab.flydsl.sweep import K3_SITU
     from kimi_k3_moe.kernels.common import launch as glue_launch
     from kimi_k3_moe.kernels.common.alignment import counters
+    from kimi_k3_moe.kernels.flydsl import pipeline
 
     class Experts:   # what moe_forward reads of a prepared layer
         weight_format, has_offsets, num_experts, intermediate_size, hidden_size = FORMAT[arch], False, E, I, H

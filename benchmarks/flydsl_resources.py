@@ -87,10 +87,11 @@ def main(argv=None) -> int:
     from kimi_k3_moe.kernels.flydsl.toolchain import flydsl_version, rocm_root
 
     if args.compile:
-        from kimi_k3_moe.kernels.flydsl.build import compile_many
+        import time
+
         from k3lab.flydsl.artifacts import compile_summary
         from k3lab.flydsl.sweep import ci_configs
-        import time
+        from kimi_k3_moe.kernels.flydsl.build import compile_many
         rocm = args.rocm or rocm_root()
         if rocm is None:
             parser.error("no ld.lld found: pass --rocm (python -m kimi_k3_moe.kernels.flydsl.toolchain --shim DIR)")

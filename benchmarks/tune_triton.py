@@ -22,8 +22,8 @@ import time
 from _common import log
 
 from kimi_k3_moe import cli  # noqa: E402
-from kimi_k3_moe.kernels.triton import table as tt  # noqa: E402
 from kimi_k3_moe.configs import user_tables  # noqa: E402
+from kimi_k3_moe.kernels.triton import table as tt  # noqa: E402
 from kimi_k3_moe.kernels.triton.tuning_space import TIERS  # noqa: E402
 
 

@@ -81,7 +81,7 @@ class ActQuant:
             raise ValueError("fp4 activations are MXFP4: per-1x32 e8m0 scales at both stages")
 
     @classmethod
-    def for_dtype(cls, dtype: str) -> "ActQuant":
+    def for_dtype(cls, dtype: str) -> ActQuant:
         """The default scheme of each dtype: per-1x32 e8m0 scales (what gfx950's scaled MFMA reads)."""
         return cls(resolve_act_dtype(dtype))
 

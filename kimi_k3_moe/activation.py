@@ -113,15 +113,15 @@ class ActivationSpec:
             object.__setattr__(self, "linear_beta", float(self.linear_beta))
 
     @classmethod
-    def silu(cls) -> "ActivationSpec":
+    def silu(cls) -> ActivationSpec:
         return cls(SILU)
 
     @classmethod
-    def situv2(cls, beta: float, linear_beta: float | None) -> "ActivationSpec":
+    def situv2(cls, beta: float, linear_beta: float | None) -> ActivationSpec:
         return cls(SITUV2, beta, linear_beta)
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ActivationSpec":
+    def from_hf_config(cls, config: Any) -> ActivationSpec:
         """Read `hidden_act` and the SiTU betas from a flat or nested HF config.
 
         `config` is a dict, a path to `config.json` or its folder, or a

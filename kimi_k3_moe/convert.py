@@ -16,8 +16,14 @@ from kimi_k3_moe import settings
 from kimi_k3_moe.cli import positive_int
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.weights.convert_run import convert_checkpoint, verify_sources
-from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, ENV_CONVERTED, RECORD_FILE, TARGETS,
-                                           ConvertedCheckpointError, open_converted)
+from kimi_k3_moe.weights.converted import (
+    CONVERTED_DIRNAME,
+    ENV_CONVERTED,
+    RECORD_FILE,
+    TARGETS,
+    ConvertedCheckpointError,
+    open_converted,
+)
 
 HELP = "convert a Kimi-K3 MXFP4 checkpoint's experts to int4 once, for gfx942 servers to load directly"
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_k3_moe.act_quant import ACT_DTYPES, BF16, ENV_ACT_DTYPE, UnsupportedActDtype, resolve_act_dtype
 from kimi_k3_moe import kernels, settings
+from kimi_k3_moe.act_quant import ACT_DTYPES, BF16, ENV_ACT_DTYPE, UnsupportedActDtype, resolve_act_dtype
 from kimi_k3_moe.configs import engine_verdicts
 from kimi_k3_moe.kernels import BackendSpec, BackendUnavailable, MoEBackend, get_spec
 from kimi_k3_moe.platform import Platform, detect_platform

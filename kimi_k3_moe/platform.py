@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -102,7 +102,7 @@ def device_platform(device: int = 0) -> Platform:
     return Platform("rocm" if is_rocm() else "cuda", arch_of(props), props.name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def detect_platform(device: int = 0) -> Platform:
     """This process's GPU `device` (read once), or the CPU."""
     return device_platform(device)

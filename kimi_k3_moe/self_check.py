@@ -15,7 +15,7 @@ import torch
 from kimi_k3_moe import settings
 from kimi_k3_moe.act_quant import ActQuant
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import Mxfp4Experts, Int4Experts
+from kimi_k3_moe.experts import Int4Experts, Mxfp4Experts
 from kimi_k3_moe.kernels.base import MoEBackend
 from kimi_k3_moe.reference import dense_moe, relative_l2
 from kimi_k3_moe.weights.requant import to_format

@@ -34,7 +34,7 @@ import torch
 
 from kimi_k3_moe.act_quant import FP4, FP8
 from kimi_k3_moe.amd_archs import traits
-from kimi_k3_moe.experts.format import INT4, MXFP4
+from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.formats import fp8, mxfp4
 from kimi_k3_moe.kernels.flydsl import layout as L
 from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, QuantConfig
@@ -256,7 +256,7 @@ def _abi_k(weight_format: str, g: int) -> list[int]:
     return [16 * g + v if v < 16 else 64 + 16 * g + (v - 16) for v in range(32)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _abi_k_table(weight_format: str) -> torch.Tensor:
     """[64, 32]: logical k of each value of each lane."""
     return torch.tensor([_abi_k(weight_format, lane >> 4) for lane in range(L.LANES)])
@@ -413,7 +413,7 @@ def _live(cfg: FlyKernelConfig, expert: int) -> bool:
     return 0 <= expert < cfg.rows.direct_experts if cfg.rows.direct else expert >= 0
 
 
-def _row_slot(cfg: FlyKernelConfig, sid: "_Buffer", p: torch.Tensor, sentinel: int) -> torch.Tensor:
+def _row_slot(cfg: FlyKernelConfig, sid: _Buffer, p: torch.Tensor, sentinel: int) -> torch.Tensor:
     if cfg.rows.direct:
         return L.direct_row_slot(p, sentinel)
     return _words(sid.load(L.sid_byte_offset(p), 4))[:, 0]

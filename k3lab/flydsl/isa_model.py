@@ -262,7 +262,7 @@ class Device:
     mfma_cycles: int = MFMA_CYCLES
 
     @classmethod
-    def of(cls, t: AmdArch) -> "Device":
+    def of(cls, t: AmdArch) -> Device:
         """The product an arch's traits name, with AMD's published CU count, clock and HBM peak."""
         return cls(t.product, t.arch, t.cus, t.clock_ghz, t.hbm_tbs, t.simds_per_cu, t.mfma_cycles)
 

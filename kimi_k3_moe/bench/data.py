@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+
 import torch
 
 from kimi_k3_moe.bench.routing import Routing

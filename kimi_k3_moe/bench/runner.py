@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.bench.check import REL_L2_BOUND, judge
 from kimi_k3_moe.bench.data import RoutingSource, expert_map_for, random_experts, random_hidden
-from kimi_k3_moe.bench.routing import Routing
 from kimi_k3_moe.bench.peers.base import Peer, PeerUnavailable
+from kimi_k3_moe.bench.routing import Routing
 from kimi_k3_moe.bench.shapes import Shape
 from kimi_k3_moe.bench.timing import moe_flops, mxfp4_bytes_per_expert
 from kimi_k3_moe.formats import mxfp4

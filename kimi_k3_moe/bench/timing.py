@@ -8,7 +8,7 @@ given by the caller, so the tune/bench loops run end to end without a device.
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

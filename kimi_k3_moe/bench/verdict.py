@@ -11,7 +11,6 @@ from pathlib import Path
 from kimi_k3_moe.bench.peers.base import ENGINE
 from kimi_k3_moe.configs import engine_verdicts
 
-
 # what the plugin serves on gfx950 unless told otherwise: the FlyDSL kernels on the checkpoint's MXFP4, bf16
 SERVED = "ours_flydsl_mxfp4"
 

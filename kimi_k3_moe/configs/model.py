@@ -20,7 +20,7 @@ class QuantizationInfo:
     ignore: tuple[str, ...] = ()
 
     @classmethod
-    def from_dict(cls, q: dict[str, Any]) -> "QuantizationInfo":
+    def from_dict(cls, q: dict[str, Any]) -> QuantizationInfo:
         method = q.get("quant_method")
         quant_format = q.get("format")
         if quant_format not in SUPPORTED_QUANT_FORMATS:
@@ -68,7 +68,7 @@ class K3MoEConfig:
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "K3MoEConfig":
+    def from_hf_config(cls, config: Any) -> K3MoEConfig:
         top = load_config_dict(config)
         text = text_config(top)
 

@@ -20,7 +20,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from kimi_k3_moe import __version__, io_errors, settings
@@ -92,7 +92,7 @@ def triton_version() -> str:
     return ".".join(triton.__version__.split(".")[:2])
 
 
-@lru_cache(maxsize=None)
+@cache
 def device_identity(device: int = 0) -> dict:
     """What a table is valid for: device name, its key, arch, driver/ROCm version, Triton major.minor."""
     import torch
@@ -154,7 +154,7 @@ def validate(table: dict, *, kind: TableKind, identity: dict, path: Path | str =
 
 
 # ---------------------------------------------------------------- reading
-@lru_cache(maxsize=None)
+@cache
 def _load(kind: TableKind, path_text: str, identity_json: str) -> dict | None:
     path = Path(path_text)
     if not path.is_file():

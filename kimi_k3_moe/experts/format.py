@@ -32,7 +32,7 @@ class WeightFormat:
             raise ValueError(f"int4_method {self.method!r} not in {int4.METHODS}")
 
     @classmethod
-    def of(cls, kind: str, int4_method: str = int4.DEFAULT_METHOD) -> "WeightFormat":
+    def of(cls, kind: str, int4_method: str = int4.DEFAULT_METHOD) -> WeightFormat:
         """The format a backend option pair (weight_format, int4_method) names."""
         if kind not in KINDS:
             raise ValueError(f"weight_format {kind!r} not in {KINDS}")

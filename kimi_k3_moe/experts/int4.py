@@ -60,9 +60,9 @@ class Int4Experts:
     def dequantize(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.w13[expert].dequantize(), self.w2[expert].dequantize()
 
-    def select(self, experts) -> "Int4Experts":
+    def select(self, experts) -> Int4Experts:
         """The experts at these local indices (a list, tensor or slice)."""
         return Int4Experts(self.w13[experts], self.w2[experts])
 
-    def to(self, device: torch.device | str) -> "Int4Experts":
+    def to(self, device: torch.device | str) -> Int4Experts:
         return Int4Experts(self.w13.to(device), self.w2.to(device))

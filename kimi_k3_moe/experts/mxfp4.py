@@ -58,10 +58,10 @@ class Mxfp4Experts(PackedShapes):
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
 
-    def to(self, device: torch.device | str) -> "Mxfp4Experts":
+    def to(self, device: torch.device | str) -> Mxfp4Experts:
         return Mxfp4Experts(*(t.to(device) for t in self.tensors()))
 
-    def select(self, experts) -> "Mxfp4Experts":
+    def select(self, experts) -> Mxfp4Experts:
         """The experts at these local indices (a list, tensor or slice)."""
         return Mxfp4Experts(*(t[experts] for t in self.tensors()))
 

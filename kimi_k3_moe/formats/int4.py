@@ -72,15 +72,15 @@ class Int4Weights:
             groups = groups + self.offsets.to(work).unsqueeze(-1)
         return groups.flatten(-2).to(dtype)
 
-    def _map(self, fn) -> "Int4Weights":
+    def _map(self, fn) -> Int4Weights:
         offsets = None if self.offsets is None else fn(self.offsets)
         return Int4Weights(fn(self.packed), fn(self.scales), self.method, offsets)
 
-    def __getitem__(self, index) -> "Int4Weights":
+    def __getitem__(self, index) -> Int4Weights:
         """Slice the leading (expert) dims."""
         return self._map(lambda t: t[index])
 
-    def to(self, device: torch.device | str) -> "Int4Weights":
+    def to(self, device: torch.device | str) -> Int4Weights:
         return self._map(lambda t: t.to(device))
 
 

@@ -90,7 +90,7 @@ class Tables:
     q: torch.Tensor    # int8 [classes, C, 15] the code each value maps to
     se: torch.Tensor   # float64 [classes, C, 15] squared error of each value
 
-    def to(self, device) -> "Tables":
+    def to(self, device) -> Tables:
         return Tables(*(x.to(device) for x in (self.t, self.u, self.q, self.se)))
 
 

@@ -155,7 +155,7 @@ class Server:
     def close(self) -> None:
         self._loop.close()
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,8 +17,16 @@ from pathlib import Path
 
 from kimi_k3_moe import settings as env_settings
 from kimi_k3_moe.cli import INT_MAX, exit_status
-from kimi_k3_moe.gsm8k.client import (APIS, MAX_TIMEOUT_S, RequestFailed, RetryNotice, RetryPolicy, Server,
-                                      check_timeout, with_retries)
+from kimi_k3_moe.gsm8k.client import (
+    APIS,
+    MAX_TIMEOUT_S,
+    RequestFailed,
+    RetryNotice,
+    RetryPolicy,
+    Server,
+    check_timeout,
+    with_retries,
+)
 from kimi_k3_moe.gsm8k.data import DATA_DIR_ENV, DataError, load_gsm8k
 from kimi_k3_moe.gsm8k.gate import DEFAULT_RTOL, METRICS, make_gate
 from kimi_k3_moe.gsm8k.job import run_questions

@@ -39,7 +39,7 @@ class Report:
     # -- reading and resuming ----------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: Path) -> "Report":
+    def load(cls, path: Path) -> Report:
         try:
             data = io_errors.read_json(path, ReportError)
         except ReportError as exc:

@@ -35,7 +35,7 @@ class MoEBackend(ABC):
     """
 
     name: str = "?"
-    spec: "BackendSpec"  # what it declares (kernels.spec): graph safety, self-check, how to make it
+    spec: BackendSpec  # what it declares (kernels.spec): graph safety, self-check, how to make it
     act_quant: ActQuant = BF16_ACTIVATIONS
     format: WeightFormat | None = MXFP4_FORMAT
     prepared_types: tuple[type, ...] = ()  # its own prepared forms, which `prepare` takes as they are

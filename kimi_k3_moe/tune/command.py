@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
 def merge_packaged(path: str, result: dict, identity: dict, activation) -> None:
     """The tuned entry, as just written to the user table, into a packaged table's running-Triton section."""
     from kimi_k3_moe.bench.env import run_info
-    from kimi_k3_moe.kernels.triton import table as tt
     from kimi_k3_moe.configs import user_tables
+    from kimi_k3_moe.kernels.triton import table as tt
     user, _ = user_tables.load(tt.USER_TABLE, identity)
     entry = user["entries"][result["key"]]
     tt.merge_into_table(path, identity["triton"], result["key"], entry, tuned_with=run_info(),
@@ -142,9 +142,10 @@ def _note(info: dict) -> str:
 
 
 def print_summary(result: dict) -> None:
-    from kimi_k3_moe.tune.loop import TIMED, is_packaged
     from rich.console import Console
     from rich.table import Table
+
+    from kimi_k3_moe.tune.loop import TIMED, is_packaged
     console = Console() if sys.stdout.isatty() else Console(width=160)
     table = Table(title=f"tuned {result['key']} -> {result['path']}")
     for c in ("tier", "tuned", "us", "packaged us", "x packaged", "candidates timed", "note"):

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import torch
 
-from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import get_backend
+from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.kernels.triton import tuning_space
 from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.tune.loop import PACKAGED, TIMED, Candidate, is_packaged

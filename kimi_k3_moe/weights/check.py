@@ -13,8 +13,13 @@ from collections.abc import Iterator
 from tqdm.auto import tqdm
 
 from kimi_k3_moe.formats import mxfp4
-from kimi_k3_moe.weights.checkpoint import (INDEX_FILE, CheckpointError, CheckpointReader, expert_tensor_name,
-                                            read_layer_experts)
+from kimi_k3_moe.weights.checkpoint import (
+    INDEX_FILE,
+    CheckpointError,
+    CheckpointReader,
+    expert_tensor_name,
+    read_layer_experts,
+)
 from kimi_k3_moe.weights.validate import find_problems
 
 PROJECTIONS = ("w1", "w3", "w2")

@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 
 from kimi_k3_moe import io_errors
-from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.experts import Mxfp4Experts
+from kimi_k3_moe.formats import mxfp4
 
 LAYER_PREFIXES = ("language_model.model.layers", "model.layers")
 INDEX_FILE = "model.safetensors.index.json"

@@ -25,9 +25,19 @@ from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.weights import manifest, source
 from kimi_k3_moe.weights.checkpoint import CheckpointReader, read_layer_experts
-from kimi_k3_moe.weights.converted import (CONVERTED_DIRNAME, FORMAT, FORMAT_VERSION, LAYOUT, PARTIAL_FILE,
-                                           RECORD_FILE, TARGETS, ConvertedCheckpoint, ConvertedCheckpointError,
-                                           layer_file, open_converted)
+from kimi_k3_moe.weights.converted import (
+    CONVERTED_DIRNAME,
+    FORMAT,
+    FORMAT_VERSION,
+    LAYOUT,
+    PARTIAL_FILE,
+    RECORD_FILE,
+    TARGETS,
+    ConvertedCheckpoint,
+    ConvertedCheckpointError,
+    layer_file,
+    open_converted,
+)
 from kimi_k3_moe.weights.requant import requantize_experts
 from kimi_k3_moe.weights.source import FINGERPRINT_RULE, source_fingerprint
 

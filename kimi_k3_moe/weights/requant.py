@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from kimi_k3_moe.experts import INT4, Int4Experts, Mxfp4Experts, WeightFormat, require_format
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.experts import INT4, Mxfp4Experts, Int4Experts, WeightFormat, require_format
 
 # Scratch budget of one chunk. On a GPU a larger chunk amortises the
 # per-class loop of the search (a few hundred small kernels per chunk).

@@ -272,10 +272,11 @@ def test_the_flydsl_forwards_triton_glue_compiles_for_amd_without_spills(tokens)
     """The FlyDSL forward's alignment and top-k sum are Triton kernels that run on gfx942/gfx950 (the ROCm
     engines' Triton): compiled for this run's targets at Kimi-K3's TP8 shape (E 896, top-16, hidden 3584)."""
     import torch
-    from kimi_k3_moe.kernels.triton.aot import compile_launch
+
     from kimi_k3_moe.kernels.common.alignment import align_launches
     from kimi_k3_moe.kernels.common.elementwise import cast_copy, zero_fill
     from kimi_k3_moe.kernels.common.topk_sum import topk_reduce
+    from kimi_k3_moe.kernels.triton.aot import compile_launch
     ids = torch.empty(tokens, 16, dtype=torch.int32, device="meta")
     (pairs,), align = align_launches(ids, None, 896, (16,))
     y = torch.empty(tokens * 16, 3584, dtype=torch.bfloat16, device="meta")

@@ -12,17 +12,16 @@ import types
 
 import pytest
 import torch
-
 from moe_helpers import SITU, random_experts, random_routing
+
 from kimi_k3_moe import act_quant, dispatch, kernels
 from kimi_k3_moe.act_quant import ENV_ACT_DTYPE, ActQuant, UnsupportedActDtype, resolve_act_dtype
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
-from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import fp8, mxfp4
 from kimi_k3_moe.kernels import BackendSpec, get_backend
-from kimi_k3_moe.platform import sm_version
 from kimi_k3_moe.kernels.torch.backend import TorchBackend
+from kimi_k3_moe.platform import Platform, sm_version
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check

@@ -4,8 +4,7 @@ import math
 import pytest
 import torch
 
-from kimi_k3_moe.activation import (ActivationSpec, UnsupportedActivationError, silu_and_mul,
-                                    situv2_and_mul)
+from kimi_k3_moe.activation import ActivationSpec, UnsupportedActivationError, silu_and_mul, situv2_and_mul
 from kimi_k3_moe.configs import ConfigError
 
 K3_BETA, K3_LINEAR_BETA = 4.0, 25.0

@@ -258,6 +258,7 @@ def test_skewed_routing_favours_the_same_experts_in_every_batch(gen):
 @pytest.mark.parametrize("suffix", [".pt", ".npy"])
 def test_recorded_routing_replays_a_routers_ids_and_is_recorded_in_the_result(tmp_path, seed, suffix, gen):
     import numpy as np
+
     from kimi_k3_moe.bench.routing import parse_routing
     ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(5)])     # the tiny shape: 8 experts
     path = tmp_path / f"ids{suffix}"

@@ -1,6 +1,6 @@
 import pytest
-
 from moe_helpers import SITU
+
 from kimi_k3_moe.configs import ConfigError, K3MoEConfig
 from kimi_k3_moe.weights.synthetic import synthetic_config
 

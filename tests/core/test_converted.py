@@ -6,16 +6,15 @@ import sys
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
-from kimi_k3_moe.weights import CheckpointReader, read_layer_experts
-from kimi_k3_moe.weights import convert_run
+from kimi_k3_moe.loading import prepare_for
+from kimi_k3_moe.weights import CheckpointReader, convert_run, read_layer_experts
 from kimi_k3_moe.weights import converted as conv
 from kimi_k3_moe.weights.requant import requantize_experts
 from kimi_k3_moe.weights.synthetic import make_checkpoint
-from kimi_k3_moe.loading import prepare_for
 
 SHAPE = dict(num_layers=3, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64,
              num_experts=8, num_experts_per_token=2)

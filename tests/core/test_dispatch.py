@@ -1,14 +1,13 @@
 import pytest
 import torch
-
 from moe_helpers import SITU, Choice, SiluOnlyBackend, broken_plan, random_experts, random_routing
 
 from kimi_k3_moe import dispatch, platform
 from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
-from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.kernels import BackendUnavailable
 from kimi_k3_moe.kernels.torch.backend import TorchBackend
 from kimi_k3_moe.loading import resolve
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check, self_check_mode

@@ -5,8 +5,16 @@ import json
 
 from safetensors import safe_open
 
-from kimi_k3_moe.weights.synthetic import (KDA_HEAD_DIM, KDA_HEADS, KV_LORA_RANK, MODEL_SHAPE, QK_ROPE,
-                                           SPECIAL_TOKENS, make_checkpoint, make_model_checkpoint)
+from kimi_k3_moe.weights.synthetic import (
+    KDA_HEAD_DIM,
+    KDA_HEADS,
+    KV_LORA_RANK,
+    MODEL_SHAPE,
+    QK_ROPE,
+    SPECIAL_TOKENS,
+    make_checkpoint,
+    make_model_checkpoint,
+)
 
 
 def test_a_whole_model_adds_every_non_moe_tensor_and_file(tmp_path, seed):

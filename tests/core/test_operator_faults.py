@@ -16,12 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli_errors import SHAPE, cli, doctor_problems, one_line_error
 
 from kimi_k3_moe.weights import converted as conv
 from kimi_k3_moe.weights.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader
 from kimi_k3_moe.weights.synthetic import make_checkpoint
-
-from test_cli_errors import SHAPE, cli, doctor_problems, one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
 NO_DAC = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]

@@ -2,8 +2,8 @@
 import logging
 
 import pytest
-
 from moe_helpers import SITU
+
 from kimi_k3_moe.activation import ActivationSpec, UnsupportedActivationError
 from kimi_k3_moe.plugin_entrypoints import common
 

@@ -1,15 +1,15 @@
 """The reference MoE and the torch backend against an independent float64 loop."""
 import pytest
 import torch
-
 from moe_helpers import SITU, random_experts, random_routing
+
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.experts import Mxfp4Experts
+from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import get_backend
+from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from kimi_k3_moe.weights.requant import requantize_experts
-from kimi_k3_moe.loading import prepare_for
 
 SILU = ActivationSpec.silu()
 

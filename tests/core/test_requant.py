@@ -2,13 +2,12 @@
 import pytest
 import torch
 
+from kimi_k3_moe.experts import Int4Experts, Mxfp4Experts
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels import get_backend
-from kimi_k3_moe.experts import Mxfp4Experts
-from kimi_k3_moe.weights.peak_memory import measure_peak
-from kimi_k3_moe.experts import Int4Experts
-from kimi_k3_moe.weights.requant import conversion_device, requantize_experts
 from kimi_k3_moe.loading import prepare_for
+from kimi_k3_moe.weights.peak_memory import measure_peak
+from kimi_k3_moe.weights.requant import conversion_device, requantize_experts
 
 
 def random_experts(gen, e=6, h=256, i=64):

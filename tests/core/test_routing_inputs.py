@@ -3,8 +3,8 @@ argument; expert ids outside the range read nothing and add nothing unless
 KIMI_K3_MOE_CHECK_EXPERT_IDS=on, which names the bad id instead."""
 import pytest
 import torch
-
 from moe_helpers import SITU
+
 from kimi_k3_moe import settings
 from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.formats import mxfp4

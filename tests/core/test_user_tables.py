@@ -9,9 +9,9 @@ import pytest
 
 from kimi_k3_moe import __version__
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels.flydsl import tiles
+from kimi_k3_moe.kernels.triton import table as tt
 
 H, I, E = 256, 64, 8
 TIERS = [1, 4]

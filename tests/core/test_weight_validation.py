@@ -5,9 +5,9 @@ import torch
 from kimi_k3_moe import settings
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice
-from kimi_k3_moe.platform import Platform
-from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.experts import Mxfp4Experts
+from kimi_k3_moe.formats import mxfp4
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.routed_experts import RoutedExperts
 from kimi_k3_moe.weights.requant import requantize_experts
 from kimi_k3_moe.weights.validate import MAX_SCALE_BYTE, WeightValidationError, find_problems, validate_experts

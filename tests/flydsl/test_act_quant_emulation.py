@@ -30,18 +30,18 @@ Bounds (docs/FORMATS.md, "Quantized activations"):
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import math
+from dataclasses import replace
 from importlib import resources
 
 import pytest
 import torch
-
 from fly_helpers import SILU, SITU, kernel_config, random_layer, random_routing
+
+from k3lab.flydsl import emulator
 from kimi_k3_moe.act_quant import ActQuant
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import fp8, mxfp4
-from k3lab.flydsl import emulator
 from kimi_k3_moe.kernels.flydsl import layout, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, QuantConfig, RowBlocks

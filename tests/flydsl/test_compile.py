@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-
 from fly_helpers import output_dir, toolchain_or_skip
+
 from k3lab.flydsl import artifacts, isa_model
+from k3lab.flydsl.sweep import K3_SITU, OTHER_SITU, ci_configs
 from kimi_k3_moe.kernels.flydsl import code_object
 from kimi_k3_moe.kernels.flydsl.build import compile_many
-from k3lab.flydsl.sweep import K3_SITU, OTHER_SITU, ci_configs
 
 CONFIGS = ci_configs()
 IDS = [c.name for c in CONFIGS]

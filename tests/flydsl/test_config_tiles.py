@@ -6,14 +6,14 @@ import json
 from importlib import resources
 
 import pytest
-
 from fly_helpers import SILU, SITU, kernel_config
+
+from k3lab.flydsl.sweep import K3_HIDDEN, K3_INTER_TP8, K3_TOP_K, ci_configs
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.flydsl import tiles
 from kimi_k3_moe.kernels.flydsl.build import config_from_json, config_to_json
 from kimi_k3_moe.kernels.flydsl.config import KLoop, QuantConfig, Tile, UnsupportedArchError
-from k3lab.flydsl.sweep import K3_HIDDEN, K3_INTER_TP8, K3_TOP_K, ci_configs
 
 K3 = dict(hidden=K3_HIDDEN, inter=K3_INTER_TP8, top_k=K3_TOP_K)
 

@@ -22,12 +22,12 @@ from importlib import resources
 
 import pytest
 import torch
-
 from fly_helpers import SILU, SITU, kernel_config, random_layer, random_routing, with_offsets
-from kimi_k3_moe.activation import ActivationSpec
+
 from k3lab.flydsl import emulator
-from kimi_k3_moe.kernels.flydsl import layout, pipeline, tiles
+from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.formats import int4
+from kimi_k3_moe.kernels.flydsl import layout, pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.config import KLoop, RowBlocks
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts

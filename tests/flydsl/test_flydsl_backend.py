@@ -7,19 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fly_helpers import SITU, random_layer, with_offsets
+
+from k3lab.flydsl import emulator
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import plan_backends
-from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.kernels import BackendUnavailable, get_backend
-from k3lab.flydsl import emulator
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
+from kimi_k3_moe.loading import prepare_for
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.self_check import SelfCheckFailed, run_self_check
 from kimi_k3_moe.weights.requant import requantize_experts
-from kimi_k3_moe.loading import prepare_for
 
 
 def test_importing_the_backend_does_not_import_flydsl():
@@ -76,8 +76,8 @@ def test_gfx942_takes_already_converted_int4_with_offsets(gen):
 
 
 def replace_offsets_none(int4):
-    from kimi_k3_moe.formats.int4 import Int4Weights
     from kimi_k3_moe.experts import Int4Experts
+    from kimi_k3_moe.formats.int4 import Int4Weights
     return Int4Experts(Int4Weights(int4.w13.packed, int4.w13.scales), Int4Weights(int4.w2.packed, int4.w2.scales))
 
 

@@ -166,8 +166,8 @@ def _scaled_inputs(gen, limit):
 
 
 def test_minifloat_codes_equal_the_cpu_codecs_bit_for_bit(gen):
-    from kimi_k3_moe.formats import fp8
     from k3lab.flydsl.emulator import TorchOps
+    from kimi_k3_moe.formats import fp8
 
     x = _scaled_inputs(gen, 448.0)
     assert torch.equal(L.minifloat_code(x, "fp8", TorchOps).to(torch.uint8), fp8.encode(x))
@@ -182,8 +182,8 @@ def test_minifloat_codes_equal_the_cpu_codecs_bit_for_bit(gen):
 
 
 def test_e8m0_rules_equal_the_cpu_quantizers(gen):
-    from kimi_k3_moe.formats import fp8
     from k3lab.flydsl.emulator import TorchOps
+    from kimi_k3_moe.formats import fp8
 
     amax = torch.rand(8192, generator=gen) * torch.exp2(torch.randint(-130, 120, (8192,), generator=gen).float())
     amax = torch.cat([amax, torch.tensor([0.0, 448.0, 448.0 * (1 + 2 ** -23), 6.0, 8.0, 1e-45])])
@@ -209,8 +209,9 @@ def test_quantized_operand_loads_follow_the_scaled_mfma_abi():
 
 
 def test_valu_per_1k_weights_counts_the_k_loop_body_only():
-    from k3lab.flydsl.artifacts import valu_per_1k_weights, weights_per_iteration
     from fly_helpers import kernel_config
+
+    from k3lab.flydsl.artifacts import valu_per_1k_weights, weights_per_iteration
 
     isa = "\n".join(["\tv_mov_b32 v0, 0", ".LBB0_1:", "\tbuffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen",
                      "\tv_and_or_b32 v5, v0, s2, v9", "\tv_pk_fma_f32 v[6:7], v[6:7], v[8:9], v[6:7]",

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-
 from fly_helpers import SITU, random_layer, toolchain_or_skip
+
+from k3lab.flydsl import emulator
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.bench.shapes import Shape
 from kimi_k3_moe.bench.timing import FakeClock
 from kimi_k3_moe.configs import user_tables
-from k3lab.flydsl import emulator
 from kimi_k3_moe.kernels.flydsl import tiles
 from kimi_k3_moe.kernels.flydsl.tiles import Tier
 from kimi_k3_moe.tune.flydsl_target import FlyDSLTarget

@@ -193,7 +193,7 @@ class AnswerServer:
             self.on_request(self, count)
         return fault
 
-    def start(self) -> "AnswerServer":
+    def start(self) -> AnswerServer:
         self._httpd = _HTTPServer(("127.0.0.1", self.port), _Handler)
         self._httpd.owner = self
         self.port = self._httpd.server_address[1]

@@ -1,7 +1,6 @@
 """Faults on the wire: each question ends up in the report exactly once, answered
 or listed as an error, the report is always written, and --resume finishes."""
 import json
-import os
 import random
 import signal
 import subprocess

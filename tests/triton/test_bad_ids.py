@@ -3,13 +3,13 @@ path, under the interpreter: such a pair reads nothing and adds nothing, exactly
 -1, with no host synchronisation; KIMI_K3_MOE_CHECK_EXPERT_IDS=on names the id instead."""
 import pytest
 import torch
-
 import triton_problems as P
 from moe_helpers import SITU
+
 from kimi_k3_moe import settings
-from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.common import alignment
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.weights.requant import requantize_experts
 
 DIRECT = MoEConfig("direct", 16, KernelConfig(32, 64, 4, 2, order=KOrder.STACKED),

@@ -5,9 +5,9 @@ import sys
 import pytest
 
 from kimi_k3_moe.dispatch import ENV_BACKEND, plan_backends
-from kimi_k3_moe.platform import Platform
-from kimi_k3_moe.loading import resolve
 from kimi_k3_moe.kernels import BackendUnavailable, get_backend
+from kimi_k3_moe.loading import resolve
+from kimi_k3_moe.platform import Platform
 
 
 def test_forced_triton_without_gpu_fails_clearly(monkeypatch):

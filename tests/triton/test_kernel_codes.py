@@ -7,13 +7,13 @@ import pytest
 import triton.language as tl
 
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.triton import table as tt
-from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.experts import INT4, MXFP4
+from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel, stage2_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel, stage2_aligned_kernel
 from kimi_k3_moe.kernels.triton.aot import meta_experts, plan_for_shape
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code, weights_of
 
 DECODERS = (C.DECODE_BITS, C.DECODE_PTX, C.DECODE_PTX_WIDE)

@@ -5,14 +5,13 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+import triton_problems as _data
 
 from kimi_k3_moe.formats import int4
+from kimi_k3_moe.kernels.common import alignment
 from kimi_k3_moe.kernels.triton import layout
 from kimi_k3_moe.kernels.triton._details.decode import pair_order
-from kimi_k3_moe.kernels.common import alignment
 from kimi_k3_moe.kernels.triton.probe import decode_rows
-
-import triton_problems as _data
 
 
 @triton.jit
@@ -192,8 +191,8 @@ def test_pdl_chains_every_launch_after_the_first():
     from dataclasses import replace
 
     from kimi_k3_moe.activation import ActivationSpec
-    from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
     from kimi_k3_moe.kernels.triton import aot
+    from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
     act = ActivationSpec.situv2(4.0, 25.0)
     ex = aot.meta_experts("mxfp4", 8, 256, 64)
     direct = MoEConfig("direct", 16, KernelConfig(32, 64, order=KOrder.PAIRS),

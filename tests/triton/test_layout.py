@@ -5,11 +5,12 @@ import re
 import pytest
 import torch
 
+from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.formats.bf16 import round_once
-from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.kernels.triton import layout
-from kimi_k3_moe.kernels.triton._details import constants as C, decode
+from kimi_k3_moe.kernels.triton._details import constants as C
+from kimi_k3_moe.kernels.triton._details import decode
 
 
 def all_bytes(rows=4):

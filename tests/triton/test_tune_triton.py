@@ -16,9 +16,9 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.bench.data import random_experts
 from kimi_k3_moe.bench.shapes import NAMED
 from kimi_k3_moe.bench.timing import FakeClock
-from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels import get_backend
+from kimi_k3_moe.kernels.triton import table as tt
 from kimi_k3_moe.kernels.triton import tuning_space
 from kimi_k3_moe.tune.loop import REJECTED, SKIPPED, TIMED, Candidate, tune
 from kimi_k3_moe.tune.triton_target import TritonTarget

@@ -2,11 +2,10 @@
 from dataclasses import replace
 
 import torch
-
 from moe_helpers import random_experts, random_routing
 
-from kimi_k3_moe.kernels.triton.table import KernelConfig, MoEConfig
 from kimi_k3_moe.experts import Mxfp4Experts
+from kimi_k3_moe.kernels.triton.table import KernelConfig, MoEConfig
 
 E, H, I, TOPK = 6, 128, 64, 3
 

@@ -18,7 +18,7 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def chain_dependents(launches: list["Launch"]) -> list["Launch"]:
+def chain_dependents(launches: list[Launch]) -> list[Launch]:
     """One forward's launches, each after the first started as a programmatic dependent of the
     one before it (NVIDIA sm_90+; the kernels wait before reading: _details/pdl.py)."""
     return [launch.as_dependent(first=i == 0) for i, launch in enumerate(launches)]
@@ -48,7 +48,7 @@ class Launch:
     def name(self) -> str:
         return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
 
-    def as_dependent(self, first: bool) -> "Launch":
+    def as_dependent(self, first: bool) -> Launch:
         """This launch with programmatic dependent launch on (its kernel's PDL constexpr; the launch
         attribute unless it is the first of its chain): see _details/pdl.py."""
         return replace(self, args={**self.args, "PDL": True}, pdl=not first)

@@ -18,14 +18,13 @@ import torch
 from kimi_k3_moe import settings
 from kimi_k3_moe.act_quant import BF16, ActQuant, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import Mxfp4Experts, Int4Experts, WeightFormat
+from kimi_k3_moe.experts import Int4Experts, Mxfp4Experts, WeightFormat
 from kimi_k3_moe.formats import int4, mxfp4
-from kimi_k3_moe.kernels.flydsl import SPEC, supported_act_dtypes, supported_weight_formats
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
-from kimi_k3_moe.kernels.flydsl import build, pipeline, tiles
+from kimi_k3_moe.kernels.common import alignment
+from kimi_k3_moe.kernels.flydsl import SPEC, build, pipeline, supported_act_dtypes, supported_weight_formats, tiles
 from kimi_k3_moe.kernels.flydsl.config import BETA_MODES, REDUCTIONS, FlyKernelConfig, QuantConfig, check_arch
 from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
-from kimi_k3_moe.kernels.common import alignment
 from kimi_k3_moe.platform import detect_platform, for_arch, is_rocm
 
 HIP_LIBRARIES = ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6")

@@ -23,12 +23,20 @@ from pathlib import Path
 
 from kimi_k3_moe.experts.format import INT4
 from kimi_k3_moe.kernels.flydsl import code_object
-from kimi_k3_moe.kernels.flydsl.config import (Activation, FlyKernelConfig, GemmShape, KLoop, QuantConfig, Reduction,
-                                                RowBlocks, Tile)
+from kimi_k3_moe.kernels.flydsl.config import (
+    Activation,
+    FlyKernelConfig,
+    GemmShape,
+    KLoop,
+    QuantConfig,
+    Reduction,
+    RowBlocks,
+    Tile,
+)
 from kimi_k3_moe.kernels.flydsl.toolchain import compile_env
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def launcher(cfg: FlyKernelConfig | QuantConfig):
     """The @flyc.jit launcher of `cfg`, built once per process (keyed by every codegen field)."""
     from kimi_k3_moe.kernels.flydsl._details import act_quant_kernel, moe_gemm

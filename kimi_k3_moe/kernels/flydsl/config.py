@@ -73,12 +73,12 @@ class KLoop(Enum):
     def name_suffix(self) -> str:
         return ("_lds" if self.staged else "") + ("_pf" if self.prefetch else "") + ("_lf" if self.load_first else "")
 
-    def with_staging(self, staged: bool) -> "KLoop":
+    def with_staging(self, staged: bool) -> KLoop:
         """The same load order, activations staged through LDS or not."""
         return KLoop(("lds" if staged else "global") + self.value[len("lds" if self.staged else "global"):])
 
     @classmethod
-    def from_flags(cls, a_lds: bool, prefetch: bool = False, load_first: bool = False) -> "KLoop":
+    def from_flags(cls, a_lds: bool, prefetch: bool = False, load_first: bool = False) -> KLoop:
         """The schedule tile tables before the KLoop wrote as three booleans."""
         if prefetch and load_first:
             raise ValueError("load_first orders a K iteration's own loads; prefetch already issues them an "
@@ -136,7 +136,7 @@ class Tile:
         return row
 
     @classmethod
-    def from_row(cls, row: dict, where: str = "tile") -> "Tile":
+    def from_row(cls, row: dict, where: str = "tile") -> Tile:
         """A table entry; tables written before the KLoop (a_lds/prefetch/load_first) are read too.
         Anything wrong is one line naming `where`."""
         try:
@@ -221,7 +221,7 @@ class Activation:
         ActivationSpec.situv2(self.beta, self.linear_beta)   # const: both explicit (engines disagree on them)
 
     @classmethod
-    def of(cls, spec: ActivationSpec, betas: str = "const") -> "Activation":
+    def of(cls, spec: ActivationSpec, betas: str = "const") -> Activation:
         if not isinstance(spec, ActivationSpec):
             raise ValueError(f"activation must be an ActivationSpec, got {spec!r}")
         if spec.name == SILU:
@@ -414,14 +414,14 @@ class FlyKernelConfig:
             raise ValueError(f"kernel name {name!r} is not a plain identifier")
         return name
 
-    def with_activation(self, spec: ActivationSpec, betas: str = "const") -> "FlyKernelConfig":
+    def with_activation(self, spec: ActivationSpec, betas: str = "const") -> FlyKernelConfig:
         """This stage-1 tile for `spec`; any other activation raises ValueError."""
         return replace(self, epilogue=Activation.of(spec, betas))
 
-    def with_tile(self, **changes) -> "FlyKernelConfig":
+    def with_tile(self, **changes) -> FlyKernelConfig:
         return replace(self, tile=replace(self.tile, **changes))
 
-    def with_reduction(self, kind: str, split_k: int = 1) -> "FlyKernelConfig":
+    def with_reduction(self, kind: str, split_k: int = 1) -> FlyKernelConfig:
         return replace(self, epilogue=Reduction(kind, split_k))
 
 

@@ -25,13 +25,12 @@ import torch
 
 from kimi_k3_moe.act_quant import BF16
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.flydsl import tiles
-from kimi_k3_moe.kernels.flydsl import layout
-from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, GemmShape, QuantConfig, runtime_betas
-from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.kernels.common.alignment import align_launches, direct_pairs
 from kimi_k3_moe.kernels.common.elementwise import cast_copy, zero_fill
 from kimi_k3_moe.kernels.common.topk_sum import topk_reduce
+from kimi_k3_moe.kernels.flydsl import layout, tiles
+from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, GemmShape, QuantConfig, runtime_betas
+from kimi_k3_moe.kernels.flydsl.experts import FlyDSLExperts
 from kimi_k3_moe.reference import check_routing
 
 Launch = Callable[[FlyKernelConfig | QuantConfig, tuple], None]

@@ -25,8 +25,17 @@ from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.amd_archs import AMD_ARCHS
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels.flydsl import layout
-from kimi_k3_moe.kernels.flydsl.config import (REDUCTIONS, Activation, FlyKernelConfig, GemmShape, KLoop,
-                                                Reduction, RowBlocks, Tile, check_arch)
+from kimi_k3_moe.kernels.flydsl.config import (
+    REDUCTIONS,
+    Activation,
+    FlyKernelConfig,
+    GemmShape,
+    KLoop,
+    Reduction,
+    RowBlocks,
+    Tile,
+    check_arch,
+)
 
 TABLE = "flydsl_tiles.json"
 MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks up to this

@@ -16,10 +16,10 @@ import torch
 
 from kimi_k3_moe.act_quant import BF16, ActQuant
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.experts import MXFP4, Mxfp4Experts, Int4Experts, WeightFormat
+from kimi_k3_moe.experts import MXFP4, Int4Experts, Mxfp4Experts, WeightFormat
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.kernels.torch import SPEC
 from kimi_k3_moe.kernels.base import MoEBackend
+from kimi_k3_moe.kernels.torch import SPEC
 from kimi_k3_moe.reference import dense_moe
 
 

@@ -19,10 +19,10 @@ import torch
 from kimi_k3_moe import platform
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.amd_archs import AMD_ARCHS
-from kimi_k3_moe.kernels.triton.table import MoEConfig
-from kimi_k3_moe.kernels.common.launch import Launch
 from kimi_k3_moe.experts import INT4, MXFP4
+from kimi_k3_moe.kernels.common.launch import Launch
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
+from kimi_k3_moe.kernels.triton.table import MoEConfig
 
 TARGETS = {"sm_90": ("cuda", 90, 32), **{a: ("hip", a, t.wave_size) for a, t in AMD_ARCHS.items()}}
 

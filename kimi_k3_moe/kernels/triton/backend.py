@@ -9,26 +9,25 @@ in a CUDA graph.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import importlib.util
 import json
 import logging
 import os
+from dataclasses import replace
 from functools import lru_cache
 
 import torch
 
 from kimi_k3_moe.act_quant import BF16, check_supported
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.common import alignment
-from kimi_k3_moe.kernels.triton import table as triton_table
-from kimi_k3_moe.kernels.triton.table import Lookup, MoEConfig
 from kimi_k3_moe.experts import MXFP4, WeightFormat
 from kimi_k3_moe.formats import int4
-from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
 from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
+from kimi_k3_moe.kernels.common import alignment
+from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
+from kimi_k3_moe.kernels.triton import table as triton_table
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
+from kimi_k3_moe.kernels.triton.table import Lookup, MoEConfig
 from kimi_k3_moe.platform import PDL_MIN_SM, TRITON_MIN_SM, detect_platform, for_arch, is_rocm, sm_version
 from kimi_k3_moe.reference import check_routing
 

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from kimi_k3_moe.experts import KINDS, MXFP4, Mxfp4Experts, Int4Experts, Layout, PackedExperts
+from kimi_k3_moe.experts import KINDS, MXFP4, Int4Experts, Layout, Mxfp4Experts, PackedExperts
 from kimi_k3_moe.formats import int4, mxfp4
 from kimi_k3_moe.kernels.triton._details import constants as C
 

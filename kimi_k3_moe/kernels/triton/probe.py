@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from kimi_k3_moe.kernels.triton import layout
-from kimi_k3_moe.kernels.common.launch import cdiv
-from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code
 from kimi_k3_moe.experts import MXFP4
+from kimi_k3_moe.kernels.common.launch import cdiv
+from kimi_k3_moe.kernels.triton import layout
+from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code
 
 
 def decode_rows(words: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, weight_format: str,

@@ -21,14 +21,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
 from kimi_k3_moe.configs import user_tables
-from kimi_k3_moe.configs.user_tables import device_key  # noqa: F401  (the packaged tables' file names)
-from kimi_k3_moe.configs.user_tables import triton_version
-from kimi_k3_moe.kernels.triton._details.constants import KOrder  # its home (with each order's code); imported from here too
+from kimi_k3_moe.configs.user_tables import (
+    device_key,  # noqa: F401  (the packaged tables' file names)
+    triton_version,
+)
+from kimi_k3_moe.kernels.triton._details.constants import (
+    KOrder,  # its home (with each order's code); imported from here too
+)
 
 PATHS = ("gemv", "aligned", "direct")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
@@ -110,7 +114,7 @@ class KernelConfig:
         return {**asdict(self), "order": self.order.value}
 
     @classmethod
-    def from_json(cls, d: dict, what: str = "stage") -> "KernelConfig":
+    def from_json(cls, d: dict, what: str = "stage") -> KernelConfig:
         """Also reads the form of earlier releases (LEGACY_ORDER_FLAGS instead of `order`)."""
         d = dict(d)
         if d.pop("ws", False):
@@ -159,7 +163,7 @@ class MoEConfig:
         """(stage 1's, stage 2's) row blocks."""
         return self.block_m, self.stage2_block_m or self.block_m
 
-    def validate(self, hidden: int, inter: int) -> "MoEConfig":
+    def validate(self, hidden: int, inter: int) -> MoEConfig:
         if self.path not in PATHS:
             raise ValueError(f"path {self.path!r} not in {PATHS}")
         if self.decode not in DECODES:
@@ -200,7 +204,7 @@ class MoEConfig:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "MoEConfig":
+    def from_json(cls, d: dict) -> MoEConfig:
         s2_bm = d.get("stage2_block_m")
         if d["path"] == "ws":
             raise ValueError(f"path 'ws': {WS_REMOVED}")
@@ -209,7 +213,7 @@ class MoEConfig:
                    stage2=KernelConfig.from_json(d["stage2"], "stage2"),
                    stage2_block_m=None if s2_bm is None else int(s2_bm), pdl=bool(d.get("pdl", False)))
 
-    def for_target(self, is_cuda: bool, has_pdl: bool = True) -> "MoEConfig":
+    def for_target(self, is_cuda: bool, has_pdl: bool = True) -> MoEConfig:
         """The PTX decode exists on NVIDIA only; elsewhere the portable decode. Programmatic
         dependent launch needs NVIDIA sm_90+ (`has_pdl`, the backend knows the arch)."""
         cfg = self if is_cuda or self.decode == "bits" else replace(self, decode="bits")
@@ -259,7 +263,7 @@ def _arch_note(served: str, dev_key: str, arch: str | None, who: str) -> str:
     return "" if served == dev_key else f" (the {arch} table; none for {who})"
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_table(dev_key: str) -> dict | None:
     path = table_path(dev_key)
     if not path.is_file():

@@ -39,8 +39,9 @@ def sglang_plugins_loaded():
 
 
 def _checkpoint(tmp_path_factory, name: str, seed: int, **options):
-    from kimi_k3_moe.weights.synthetic import make_checkpoint
     from sglang_k3 import SHAPE, add_attention_fields
+
+    from kimi_k3_moe.weights.synthetic import make_checkpoint
 
     path = make_checkpoint(tmp_path_factory.mktemp(name), seed=seed, **SHAPE, **options)
     add_attention_fields(path)

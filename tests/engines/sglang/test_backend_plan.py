@@ -11,7 +11,6 @@ import logging
 
 import pytest
 import torch
-
 from moe_helpers import SITU, broken_plan, random_routing
 from sglang_k3 import LATENT, MOE_LAYERS, build_fused_moe, load_into, serving
 
@@ -21,6 +20,7 @@ from kimi_k3_moe.loading import SelfCheckCache
 from kimi_k3_moe.platform import detect_platform
 from kimi_k3_moe.reference import dense_moe, relative_l2
 from kimi_k3_moe.self_check import SelfCheckFailed
+
 LAYER = MOE_LAYERS[0]
 
 

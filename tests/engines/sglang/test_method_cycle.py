@@ -12,13 +12,22 @@ import logging
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+from sglang_k3 import (
+    INTER,
+    LATENT,
+    MOE_LAYERS,
+    build_block,
+    k3_topk,
+    load_into,
+    reference_experts,
+    serving,
+    tp_group_stand_in,
+)
+
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.plugin_entrypoints import common
 from kimi_k3_moe.reference import moe_forward, relative_l2
-from sglang_k3 import (INTER, LATENT, MOE_LAYERS, build_block, k3_topk, load_into, reference_experts,
-                       serving, tp_group_stand_in)
 
 SILU = ActivationSpec.silu()
 TOKENS = 7

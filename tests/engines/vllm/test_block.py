@@ -11,8 +11,8 @@ import logging
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+
 from kimi_k3_moe.activation import ActivationSpec
 
 SILU = ActivationSpec.silu()

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.dispatch import BackendChoice
-from kimi_k3_moe.platform import Platform
-from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.experts import Mxfp4Experts
+from kimi_k3_moe.formats import mxfp4
+from kimi_k3_moe.platform import Platform
 from kimi_k3_moe.reference import relative_l2
 from kimi_k3_moe.routed_experts import RoutedExperts
 

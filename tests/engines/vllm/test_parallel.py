@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+
 from kimi_k3_moe.activation import ActivationSpec
 
 SILU = ActivationSpec.silu()

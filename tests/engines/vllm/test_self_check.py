@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from moe_helpers import broken_plan as make_broken_plan
 
 from kimi_k3_moe.loading import SelfCheckCache

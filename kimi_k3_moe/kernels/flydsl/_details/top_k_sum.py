@@ -14,6 +14,7 @@ from flydsl.expr.typing import T
 from kimi_k3_moe.kernels.flydsl import layout as L
 from kimi_k3_moe.kernels.flydsl._details import device as D
 
+
 def row_locals(cfg, BOOK, slots, tid):
     """(slot, local experts of its token's slots) of the workgroup's row `tid` (lanes tid < BM, wave 0:
     lane group g holds row 16g + r's slot in slots[g]). Issued before the release, whose wait for

@@ -67,7 +67,7 @@ class KOrder(str, Enum):
         return member
 
     @property
-    def stored_order(self) -> "KOrder":
+    def stored_order(self) -> KOrder:
         """WORDS (word order of the config's block_k tiles), PAIRS, or INTERLEAVE for the plain order."""
         return KOrder(self._stored)
 

@@ -19,9 +19,8 @@ Two decoders read the same bits:
 import triton
 import triton.language as tl
 
-from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.common._details.numerics import to_bf16
-
+from kimi_k3_moe.kernels.triton._details import constants as C
 
 # globals read inside @jit functions must be constexpr
 FMT_MXFP4 = tl.constexpr(C.FMT_MXFP4)

@@ -22,16 +22,23 @@ holds ~73 rows, which a 64 + 32 block covers in one decode with 24 % padding whe
 import triton
 import triton.language as tl
 
+from kimi_k3_moe.kernels.common._details.expert_ids import local_expert_at
+from kimi_k3_moe.kernels.common._details.numerics import cast_to, dot_operand
+from kimi_k3_moe.kernels.common._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
-from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, load_weight_pairs,
-                                                        load_weight_tile, load_weight_words, pair_order,
-                                                        to_pair_order, word_k_offsets)
-from kimi_k3_moe.kernels.common._details.numerics import cast_to, dot_operand
-from kimi_k3_moe.kernels.common._details.expert_ids import local_expert_at
-from kimi_k3_moe.kernels.triton._details.groups import (Expert, Routing, RowTile, TileConfig, WeightCode,
-                                                        WeightTile)
-from kimi_k3_moe.kernels.common._details.pdl import enter
+from kimi_k3_moe.kernels.triton._details.decode import (
+    WEIGHT_DECODE,
+    WEIGHT_FMT,
+    WEIGHT_OFFSETS,
+    load_weight_pairs,
+    load_weight_tile,
+    load_weight_words,
+    pair_order,
+    to_pair_order,
+    word_k_offsets,
+)
+from kimi_k3_moe.kernels.triton._details.groups import Expert, Routing, RowTile, TileConfig, WeightCode, WeightTile
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
 
 # ORDER / OUT_ORDER (kernels/triton/korder.py): the K step helpers below take words, interleave, or any

@@ -10,9 +10,9 @@ stage 2 reads it that way (`word_position`).
 import triton
 import triton.language as tl
 
-from kimi_k3_moe.kernels.triton._details.decode import to_pair_order
 from kimi_k3_moe.kernels.common._details.numerics import cast_to
 from kimi_k3_moe.kernels.common._details.pdl import enter
+from kimi_k3_moe.kernels.triton._details.decode import to_pair_order
 
 
 @triton.jit

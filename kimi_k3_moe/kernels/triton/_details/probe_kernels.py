@@ -2,10 +2,17 @@
 import triton
 import triton.language as tl
 
-from kimi_k3_moe.kernels.triton._details.decode import (WEIGHT_DECODE, WEIGHT_FMT, WEIGHT_OFFSETS, load_weight_pairs,
-                                                        load_weight_tile, pair_order, word_k_offsets)
-from kimi_k3_moe.kernels.triton._details.groups import WeightCode, WeightTile
 from kimi_k3_moe.kernels.common._details.numerics import cast_to
+from kimi_k3_moe.kernels.triton._details.decode import (
+    WEIGHT_DECODE,
+    WEIGHT_FMT,
+    WEIGHT_OFFSETS,
+    load_weight_pairs,
+    load_weight_tile,
+    pair_order,
+    word_k_offsets,
+)
+from kimi_k3_moe.kernels.triton._details.groups import WeightCode, WeightTile
 
 
 @triton.jit
