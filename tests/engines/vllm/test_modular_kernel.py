@@ -54,7 +54,8 @@ def test_method_holds_vllms_modular_kernel(served):
     assert isinstance(method.moe_kernel.prepare_finalize, MoEPrepareAndFinalizeNoDPEPModular)
     assert isinstance(method.moe_kernel.fused_experts, K3ModularExperts)
     assert method.supports_internal_mk and not method.is_monolithic
-    assert method.moe_quant_config.quant_dtype is None  # tokens travel unquantized
+    quant = method.moe_quant_config  # tokens travel unquantized: no fp8/fp4 dispatch in DeepEP or MoRI
+    assert quant.quant_dtype is None and not (quant.is_block_quantized or quant.is_per_act_token or quant.is_per_tensor)
     assert method.moe_quant_config.weight_quant_dtype == "mxfp4"
     # With a kernel, vLLM's runner never takes the legacy DP dispatch (dispatch_router_logits).
     assert not block.experts.do_naive_dispatch_combine
