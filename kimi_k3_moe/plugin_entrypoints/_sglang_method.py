@@ -74,7 +74,9 @@ def refuse_unsupported_setup(quant_config: Any, layer: Any, prefix: str) -> None
         raise UnsupportedSGLangSetup(
             f"{where}: --moe-a2a-backend {a2a.value} moves tokens with its own all-to-all "
             "and runs expert kernels that bypass the MoE method's apply(); kimi-k3-moe supports "
-            "--moe-a2a-backend none (TP, or EP through SGLang's standard dispatcher).")
+            "--moe-a2a-backend none (TP, EP through SGLang's standard dispatcher, --enable-dp-attention); "
+            "DeepEP high-throughput and MoRI dispatch are served through vLLM (--all2all-backend), or "
+            "disable the plugin (SGLANG_PLUGINS without kimi_k3_moe).")
     runner = get_moe_runner_backend()
     if runner.value in CONFLICTING_RUNNER_BACKENDS:
         raise UnsupportedSGLangSetup(

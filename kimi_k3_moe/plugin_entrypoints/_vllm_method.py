@@ -23,10 +23,17 @@ vLLM's side of the contract (0.33.0):
   pre-converted int4 checkpoint, when there is one, supplies the experts
   instead. The engine's MXFP4 parameters are released when the prepared form
   no longer reads them.
+- After loading, the method holds a modular kernel (`_vllm_modular.py`):
+  vLLM's prepare/finalize for the parallel config (none, DP all-gather /
+  reduce-scatter, DeepEP high-throughput, MoRI) around the plugin's experts,
+  so DP > 1 never takes the runner's legacy dispatch. All-to-all backends
+  whose layout the kernels do not take are refused when the layer is built.
 - `apply(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)`
   (keywords) gets vLLM's top-k with global expert ids and `layer.expert_map`
-  (global -> local, -1 elsewhere) under EP; it returns this rank's partial sum
-  in x's dtype. The runner runs the shared experts and does the all-reduce.
+  (global -> local, -1 elsewhere) under EP and runs the kernel; the result is
+  this rank's partial sum in x's dtype (reduced across ranks by the combine
+  where the prepare/finalize says so). The runner runs the shared experts and
+  does the all-reduce.
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.loading import SelfCheckCache
 from kimi_k3_moe.platform import detect_platform
+from kimi_k3_moe.plugin_entrypoints import _vllm_modular as modular
 from kimi_k3_moe.plugin_entrypoints import common
 from kimi_k3_moe.plugin_entrypoints.common import engine_activation, is_situ, verify_against_hf
 from kimi_k3_moe.routed_experts import RoutedExperts
@@ -107,6 +115,45 @@ def refuse_activation_mismatch(moe: Any) -> None:
             f"config.json says hidden_act={hidden_act!r}; refusing to serve a different function")
 
 
+def refuse_latent_tail_under_dp(moe: Any, config: Any, where: str) -> None:
+    """DP > 1 without expert parallelism meets a vLLM 0.33 bug in K3's `LatentMoERunner` (CUDA and CPU).
+
+    Without EP the MoE's TP size is flattened over DP (TP x DP), while
+    `_shard_up_proj_tail` (the tail for batches above
+    VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD tokens) cuts the up-projection
+    into that many column shards and picks one by the attention TP rank
+    (0..TP-1) before the TP all-reduce: the shards of ranks TP..TP x DP-1 are
+    never computed, so (DP-1)/DP of the hidden columns get no routed output.
+    The ROCm runner shards by the attention TP size and is not affected.
+    Served when no batch can reach that tail (the threshold at or above
+    max_num_batched_tokens, the shared-experts stream on).
+    """
+    import vllm.envs as envs
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.platforms import current_platform
+
+    parallel = moe.moe_parallel_config
+    if parallel.dp_size <= 1 or parallel.use_ep or current_platform.is_rocm():
+        return
+    try:
+        latent = text_config(load_config_dict(config.hf_config)).get("routed_expert_hidden_size") is not None
+    except ValueError:
+        return
+    scheduler = getattr(get_current_vllm_config_or_none(), "scheduler_config", None)
+    max_tokens = getattr(scheduler, "max_num_batched_tokens", None)
+    threshold = envs.VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD
+    if not latent or (max_tokens is not None and threshold >= max_tokens
+                      and not envs.VLLM_DISABLE_SHARED_EXPERTS_STREAM):
+        return
+    raise UnsupportedVllmSetup(
+        f"{where}: data parallel size {parallel.dp_size} without --enable-expert-parallel hits a vLLM 0.33 bug in "
+        "Kimi-K3's LatentMoERunner._shard_up_proj_tail (column shards by the DP-flattened MoE TP size "
+        f"{parallel.tp_size}, indexed by the attention TP rank): batches above "
+        f"VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD={threshold} tokens would lose the routed output of "
+        f"{parallel.dp_size - 1}/{parallel.dp_size} of the hidden columns; add --enable-expert-parallel, or set "
+        f"VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD >= max_num_batched_tokens ({max_tokens}) (docs/VLLM.md)")
+
+
 class K3RoutedExpertsMethod(FusedMoEMethodBase):
     """Kimi-K3's routed experts (MXFP4 weights, SiTUv2) on kimi-k3-moe's backends."""
 
@@ -120,6 +167,7 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         self.routed: RoutedExperts | None = None
         self.layer_name = ""
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._shape_carriers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def for_moe(cls, moe: Any) -> "K3RoutedExpertsMethod":
@@ -141,9 +189,22 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         if moe.has_bias:
             raise UnsupportedVllmSetup(f"{where}: expert biases (has_bias=True) are not supported; "
                                        "Kimi-K3's routed experts have none")
+        modular.refuse_unserved_all2all(moe, where, UnsupportedVllmSetup)
+        refuse_latent_tail_under_dp(moe, config, where)
         return cls(moe, activation, config.model, getattr(config, "revision", None))
 
     # ---- weights ---------------------------------------------------------------------------
+    def maybe_roundup_sizes(self, hidden_size: int, intermediate_size_per_partition: int, act_dtype: torch.dtype,
+                            moe_parallel_config: Any) -> tuple[int, int]:
+        rounded, inter = super().maybe_roundup_sizes(hidden_size, intermediate_size_per_partition, act_dtype,
+                                                     moe_parallel_config)
+        if rounded != hidden_size:
+            raise UnsupportedVllmSetup(
+                f"kimi-k3-moe (vLLM MoE layer): --all2all-backend {moe_parallel_config.all2all_backend} pads the "
+                f"experts' hidden size {hidden_size} to {rounded}; the checkpoint's unpadded experts are required "
+                "(Kimi-K3's 3584 needs no padding)")
+        return rounded, inter
+
     def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
                        **extra_weight_attrs: Any) -> None:
@@ -166,8 +227,8 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         common.register_params(layer, self._shapes, scale_fill=0, scale_method=BLOCK_SCALE, set_attrs=set_weight_attrs,
                                attrs=extra_weight_attrs, loaders=(weight_loader, _scale_loader(weight_loader)))
 
-    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
-        return None  # no vLLM modular kernel: apply() runs the whole layer
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> Any:
+        return modular.weight_only_quant_config()
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if layer.w13_weight.numel() == 0:
@@ -187,19 +248,27 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                                          checks=self.self_checks, layer_name=self.layer_name, converted=converted)
         if not self.routed.holds_source(loaded):
             common.release_params(layer)
+        self.moe_quant_config = modular.weight_only_quant_config()
+        self.moe_kernel = modular.build_kernel(moe, layer, self.routed, self._refuse_under_capture)
+        self._shape_carriers = modular.shape_carriers(self.routed.prepared.num_experts,
+                                                      self.routed.prepared.intermediate_size, experts.device)
 
     # ---- forward ---------------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared_experts: Any, shared_experts_input: torch.Tensor | None
               ) -> torch.Tensor:
-        routed = self.routed
-        if routed is None:
+        if self.moe_kernel is None:
             raise RuntimeError(f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r}): apply() before "
                                "process_weights_after_loading()")
-        common.refuse_under_capture(routed, f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r})",
+        w1, w2 = self._shape_carriers
+        return self.moe_kernel.apply(hidden_states=x, w1=w1, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids,
+                                     activation=layer.activation, global_num_experts=layer.global_num_experts,
+                                     expert_map=layer.expert_map, apply_router_weight_on_input=False,
+                                     shared_experts=shared_experts, shared_experts_input=shared_experts_input)
+
+    def _refuse_under_capture(self) -> None:
+        common.refuse_under_capture(self.routed, f"kimi-k3-moe (vLLM MoE layer {self.layer_name!r})",
                                     "start vLLM with --enforce-eager", UnsupportedVllmSetup)
-        # The shared experts are the runner's (it calls them and adds their output).
-        return routed(x, topk_weights, topk_ids, layer.expert_map)
 
 
 def _scale_loader(weight_loader):

@@ -52,7 +52,8 @@ def vllm_env(tmp_path_factory) -> dict[str, str]:
     (dist / "entry_points.txt").write_text(ENTRY_POINTS)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
     env.update({
-        "PYTHONPATH": os.pathsep.join([str(site), str(HERE)]),
+        # the checkout first: the venv's editable install may be another checkout of the package
+        "PYTHONPATH": os.pathsep.join([str(CHECKOUT), str(site), str(HERE)]),
         "HF_HUB_OFFLINE": "1",
         # K3_FACTS section 10: on by default, it imports cutlass (CUDA) for a fused GEMM + all-reduce
         "VLLM_KIMI_K3_GEMM_AR": "0",

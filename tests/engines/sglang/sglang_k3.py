@@ -58,7 +58,7 @@ def config_of(path: Path) -> dict:
 
 
 @contextlib.contextmanager
-def serving(checkpoint: Path, *, tp_size: int = 1, ep_size: int = 1, rank: int = 0):
+def serving(checkpoint: Path, *, tp_size: int = 1, ep_size: int = 1, rank: int = 0, **server_args):
     """SGLang's process state for one TP/EP rank of a server loading `checkpoint`.
 
     `published_topology` publishes ServerArgs(model_path="dummy"); publishing a
@@ -70,9 +70,9 @@ def serving(checkpoint: Path, *, tp_size: int = 1, ep_size: int = 1, rank: int =
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.test.test_utils import published_topology
 
-    with published_topology(tp_size=tp_size, ep_size=ep_size, ranks=dict(world_rank=rank)) as server_args:
-        server_args._model_config = ModelConfig(str(checkpoint))
-        yield server_args
+    with published_topology(tp_size=tp_size, ep_size=ep_size, ranks=dict(world_rank=rank), **server_args) as args:
+        args._model_config = ModelConfig(str(checkpoint))
+        yield args
 
 
 def text_config():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_helpers import SITU
+from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.reference import moe_forward, relative_l2
 from sglang_k3 import (EXPERTS, INTER, LATENT, MOE_LAYERS, build_block, config_of, cpu_device_for_ep_dispatch,
                        k3_topk, load_into, reference_experts, serving, tp_group_stand_in)
@@ -84,3 +85,32 @@ def test_ep_ranks_skip_remote_experts_and_partials_sum_to_the_layer(k3_checkpoin
                 part = experts(x, topk)
             total += part.double()
     assert relative_l2(total, whole) <= 1e-2
+
+
+def test_dp_attention_ranks_serve_their_slice_and_partials_sum_to_the_layer(k3_checkpoint_4d_scales,
+                                                                          sglang_plugins_loaded, gen):
+    """`--tp 2 --dp 2 --enable-dp-attention --moe-a2a-backend none`: attention is data-parallel, the MoE
+    stays tensor-parallel over both ranks and sees the tokens SGLang gathered from the DP ranks through
+    its standard dispatcher; the plugin serves each rank's slice. (The gather itself is SGLang's, run by the
+    model's communicator; rank by rank here, as in the TP test.)"""
+    path, config = k3_checkpoint_4d_scales, config_of(k3_checkpoint_4d_scales)
+    topk, x = routing_and_input(path, config, gen)
+    whole = moe_forward(x.double(), *reference_experts(path, LAYER).tensors(), topk.topk_weights,
+                        topk.topk_ids, SITU, compute_dtype=torch.float64)
+    total = torch.zeros_like(whole)
+    for rank in range(2):
+        with serving(path, tp_size=2, rank=rank, dp_size=2, enable_dp_attention=True):
+            from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+            assert get_moe_a2a_backend().is_none()
+            block = build_block(config, LAYER)
+            experts = block.experts
+            assert type(experts.quant_method).__name__ == "K3RoutedExpertsMethod"
+            assert (experts.moe_tp_rank, experts.intermediate_size_per_partition) == (rank, INTER // 2)
+            load_into({LAYER: block}, path)
+            with torch.inference_mode(), tp_group_stand_in():
+                total += experts(x, topk).double()
+    assert relative_l2(total, whole) <= 1e-2
+    silu = moe_forward(x.double(), *reference_experts(path, LAYER).tensors(), topk.topk_weights, topk.topk_ids,
+                       ActivationSpec.silu(), compute_dtype=torch.float64)
+    assert relative_l2(total, silu) > 5e-2

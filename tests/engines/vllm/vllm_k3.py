@@ -236,6 +236,13 @@ def block_reference(checkpoint: Path, x: torch.Tensor, routed_activation, shared
     """The whole K3 MoE block in float64: router, latent down-projection, routed experts
     (our reference), RMSNorm, up-projection, plus the shared experts. With `engine_ids` (the
     experts vLLM's router picked) those are used where they differ from ours at a near-tie."""
+    routed, shared = block_reference_parts(checkpoint, x, routed_activation, shared_activation, eps, engine_ids)
+    return routed + shared
+
+
+def block_reference_parts(checkpoint: Path, x: torch.Tensor, routed_activation, shared_activation, eps: float,
+                          engine_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_reference`'s two terms: (routed output after the up-projection, shared experts' output)."""
     t = checkpoint_tensors(checkpoint)
     p = f"{CHECKPOINT_PREFIX}layers.{LAYER}.block_sparse_moe."
     xd = x.double()
@@ -255,7 +262,7 @@ def block_reference(checkpoint: Path, x: torch.Tensor, routed_activation, shared
     gate_up = torch.cat([xd @ t[p + "shared_experts.gate_proj.weight"].double().T,
                          xd @ t[p + "shared_experts.up_proj.weight"].double().T], -1)
     shared = shared_activation.apply(gate_up) @ t[p + "shared_experts.down_proj.weight"].double().T
-    return routed + shared
+    return routed, shared
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
