@@ -139,7 +139,7 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         self._released = False
 
     @classmethod
-    def for_layer(cls, quant_config: Any, layer: Any, prefix: str) -> "K3RoutedExpertsMethod":
+    def for_layer(cls, quant_config: Any, layer: Any, prefix: str) -> K3RoutedExpertsMethod:
         refuse_unsupported_setup(quant_config, layer, prefix)
         config = layer.moe_runner_config
         try:

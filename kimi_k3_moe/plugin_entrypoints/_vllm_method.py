@@ -170,7 +170,7 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         self._shape_carriers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def for_moe(cls, moe: Any) -> "K3RoutedExpertsMethod":
+    def for_moe(cls, moe: Any) -> K3RoutedExpertsMethod:
         where = "kimi-k3-moe (vLLM MoE layer)"
         try:
             activation = engine_activation(moe.activation, moe.activation_situ_beta,

@@ -16,7 +16,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from k3_e2e import CHECKOUT, HERE, REFERENCE, SHIM, VLLM_PYTHON
 
 ENTRY_POINTS = f"""[vllm.general_plugins]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+from sglang_k3 import LATENT, MOE_LAYERS, build_fused_moe, load_into, reference_experts, serving, tp_group_stand_in
+
 from kimi_k3_moe.plugin_entrypoints._sglang_method import K3RoutedExpertsMethod, UnsupportedSGLangSetup
 from kimi_k3_moe.reference import moe_forward, relative_l2
-from sglang_k3 import LATENT, MOE_LAYERS, build_fused_moe, load_into, reference_experts, serving, tp_group_stand_in
 
 
 def test_silu_mxfp4_layer_keeps_sglang_method(k3_checkpoint, sglang_plugins_loaded):

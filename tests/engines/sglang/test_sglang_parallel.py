@@ -9,12 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+from sglang_k3 import (
+    EXPERTS,
+    INTER,
+    LATENT,
+    MOE_LAYERS,
+    build_block,
+    config_of,
+    cpu_device_for_ep_dispatch,
+    k3_topk,
+    load_into,
+    reference_experts,
+    serving,
+    tp_group_stand_in,
+)
+
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.reference import moe_forward, relative_l2
-from sglang_k3 import (EXPERTS, INTER, LATENT, MOE_LAYERS, build_block, config_of, cpu_device_for_ep_dispatch,
-                       k3_topk, load_into, reference_experts, serving, tp_group_stand_in)
 
 LAYER = MOE_LAYERS[0]
 TOKENS = 9

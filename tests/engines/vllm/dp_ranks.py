@@ -20,7 +20,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
 import vllm_k3 as k3
 
 DP = 2

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+
 from kimi_k3_moe.activation import ActivationSpec
 
 SILU = ActivationSpec.silu()
@@ -28,9 +28,8 @@ SILU = ActivationSpec.silu()
 
 @pytest.fixture(scope="module")
 def dp_ranks(k3_checkpoint, tmp_path_factory, session_seed):
-    import torch.multiprocessing as mp
-
     import dp_ranks as dp
+    import torch.multiprocessing as mp
     import vllm_k3 as k3
 
     out_dir = tmp_path_factory.mktemp("dp")

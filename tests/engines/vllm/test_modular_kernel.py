@@ -21,8 +21,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from moe_helpers import SITU
+
 from kimi_k3_moe.activation import ActivationSpec
 
 SILU = ActivationSpec.silu()
