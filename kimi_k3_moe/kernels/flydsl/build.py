@@ -27,7 +27,6 @@ from kimi_k3_moe.kernels.flydsl.config import (
     Activation,
     FlyKernelConfig,
     GemmShape,
-    KLoop,
     QuantConfig,
     Reduction,
     RowBlocks,
@@ -73,7 +72,7 @@ def config_to_json(cfg: FlyKernelConfig | QuantConfig) -> str:
     if isinstance(cfg, QuantConfig):
         return json.dumps({"stage": 0, **asdict(cfg)}, sort_keys=True)
     out = asdict(replace(cfg, epilogue=Reduction()))
-    out["tile"]["schedule"] = cfg.tile.schedule.value
+    out["tile"] = cfg.tile.to_row()
     out["epilogue"] = asdict(cfg.epilogue)
     return json.dumps({"stage": cfg.stage, **out}, sort_keys=True)
 
@@ -84,10 +83,8 @@ def config_from_json(text: str) -> FlyKernelConfig | QuantConfig:
     if stage == 0:
         return QuantConfig(**data)
     epilogue = (Activation if stage == 1 else Reduction)(**data.pop("epilogue"))
-    tile = data.pop("tile")
-    tile["schedule"] = KLoop(tile["schedule"])
     return FlyKernelConfig(**{**data, "shape": GemmShape(**data["shape"]), "rows": RowBlocks(**data["rows"]),
-                              "tile": Tile(**tile), "epilogue": epilogue})
+                              "tile": Tile.from_row(data["tile"]), "epilogue": epilogue})
 
 
 
