@@ -1,7 +1,8 @@
 """Correctness of the Triton backend on a GPU, against the float64 reference.
 
 At K3's TP8 per-rank shape (H 3584, I 384, E 896, top-16; or `--shape tp16`, or `ep16`: 56
-experts of 896 held, the per-count and graph checks through the expert map), for each token count: fresh random weights, routing and activations; the output tensor (and
+experts of 896 held, the per-count and graph checks through the expert map), for each token
+count: fresh random weights, routing and activations; the output tensor (and
 the allocator's free memory) poisoned with NaN before every run; relative L2
 error against the float64 reference over the weights the prepared form
 encodes; MXFP4 and int4; SiLU and SiTUv2 (and their results must differ);
@@ -11,7 +12,8 @@ both decoders (PTX, portable bits); each token count under every `--routing`
 which puts many rows on a few experts); plus expert parallelism (expert_map),
 int4 with per-group offsets, repeatability and CUDA-graph replay.
 
-    python benchmarks/check_gpu.py [--tokens 1,3,16,64,257,1024,4096] [--routing uniform,skewed] [--out results/check.json]
+    python benchmarks/check_gpu.py [--tokens 1,3,16,64,257,1024,4096] [--routing uniform,skewed] \
+        [--out results/check.json]
     compute-sanitizer --tool memcheck python benchmarks/check_gpu.py --sanitize [--shape tp8]
 
 --sanitize runs only the bad expert id cases (benchmarks/bad_ids.py: ids E, -1, 10**6
@@ -117,7 +119,8 @@ def main() -> int:
     ap.add_argument("--sections", default="bf16,align,validate",
                     help="comma list: bf16 (MXFP4 and int4, bf16 activations, every path), align (the alignment "
                          "replayed over fresh routing against a PyTorch count), int4-methods (int4 conversions "
-                         "--int4-methods), validate (load-time scale scan on the GPU: NaN/overflow bytes refused, its cost)")
+                         "--int4-methods), validate (load-time scale scan on the GPU: NaN/overflow bytes refused, "
+                         "its cost)")
     ap.add_argument("--int4-methods", default="search,asym")
     ap.add_argument("--int4-tokens", default="3,64,1024")
     ap.add_argument("--sanitize", action="store_true",
@@ -211,8 +214,8 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
                 # FMA), the portable one rounds it to fp32, then to bf16 (the same unless offsets)
                 want_bf16 = (round_once(exact) if decode == "ptx" else exact.float().bfloat16()).float()
                 bad = int((got != want_bf16).sum())
-                chk.record(bad == 0, check="decode", weight_format=weight_format, decode=decode, expert=ex, mismatches=bad,
-                           max_abs=float((got.double() - exact).abs().max()))
+                chk.record(bad == 0, check="decode", weight_format=weight_format, decode=decode, expert=ex,
+                           mismatches=bad, max_abs=float((got.double() - exact).abs().max()))
 
     caches = {"mxfp4": dequantized_cache(backends["mxfp4"], prepared["mxfp4"], torch.bfloat16),
               "int4": dequantized_cache(backends["int4"], prepared["int4"], torch.float32)}
@@ -240,7 +243,7 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
     recipes = []
     for t in tokens:
         for weight_format in ("mxfp4", "int4"):
-            for label, opts in variants(t):
+            for _label, opts in variants(t):
                 be = get_backend("triton", weight_format=weight_format, **opts)
                 cfg = be.lookup(prepared[weight_format], t).config
                 for act in (SILU, SITU):
@@ -320,7 +323,8 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
     # int4 with per-group offsets (asymmetric conversions).
     p = prepared["int4+offsets"]
     cache = dequantized_cache(backends["int4"], p, torch.float32)
-    for t, label, opts in ((3, "gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}), (64, "default", {})):
+    for t, label, opts in ((3, "gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}),
+                           (64, "default", {})):
         hidden = random_hidden(t, h, dev, gen)
         weights, ids = random_routing(t, e, topk, dev, gen)
         be = get_backend("triton", weight_format="int4", **opts)
@@ -358,7 +362,7 @@ def alignment_checks(chk, dev, gen, e, topk, tokens, emap, replays: int = 30) ->
         for skew in (0.0, 2.0):
             bias = torch.randn(routed, device=dev, generator=gen) * skew if skew else None
 
-            def fresh_ids():
+            def fresh_ids(t=t, bias=bias):
                 return random_routing(t, routed, topk, dev, gen, bias=bias)[1]
             ids = fresh_ids()
             aligned, launches = alignment.align_launches(ids, emap, e, (16, 64))

@@ -39,7 +39,8 @@ def _row(k: dict) -> str:
 
 
 def section(summary: dict, flydsl_version: str) -> str:
-    kernels = sorted(summary["kernels"], key=lambda k: (k["report"] or {}).get("config", {}).get("arch", "") + k["name"])
+    kernels = sorted(summary["kernels"],
+                     key=lambda k: (k["report"] or {}).get("config", {}).get("arch", "") + k["name"])
     ok = sum(k["status"] == "ok" for k in kernels)
     lines = [
         BEGIN,
@@ -47,7 +48,8 @@ def section(summary: dict, flydsl_version: str) -> str:
         "",
         f"Generated {dt.date.today().isoformat()} from flydsl {flydsl_version} compile-only builds (COMPILE_ONLY=1, "
         "FLYDSL_GPU_ARCH per kernel, zig's ld.lld): {ok} of {n} kernels compiled, sweep wall time {w} s "
-        "(two compiles at a time, each in its own process) on a 2-core CPU machine shared with other work. Evidence rung 4: these kernels were compiled for gfx942 and gfx950 and have **not run "
+        "(two compiles at a time, each in its own process) on a 2-core CPU machine shared with other work. "
+        "Evidence rung 4: these kernels were compiled for gfx942 and gfx950 and have **not run "
         "on AMD hardware**; the numbers below come from each code object's AMDGPU metadata and ISA text. "
         "Occupancy is waves per SIMD estimated from the unified VGPR+AGPR file (512 per lane, granule 8, at most 8) "
         "and from LDS (64 KiB per CU on gfx942, 160 KiB on gfx950) for the workgroup's waves; the hardware was not "

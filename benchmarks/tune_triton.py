@@ -49,7 +49,8 @@ def main() -> int:
         budget_min = max(0.0, (deadline - time.monotonic()) / (len(jobs) - n)) / 60
         quick = args.quick_secondary and (shape, weight_format) != ("tp8", "mxfp4")
         log(f"{shape} {weight_format}: {budget_min:.1f} min")
-        rc = cli.main(["tune", "--backend", "triton", "--shape", shape, "--format", weight_format, "--tiers", args.tiers,
+        rc = cli.main(["tune", "--backend", "triton", "--shape", shape, "--format", weight_format,
+                       "--tiers", args.tiers,
                        "--budget-min", f"{max(budget_min, 1e-3):.4f}", "--reps", str(args.reps),
                        "--routing", args.routing, "--packaged", out] + (["--quick"] if quick else []))
         if rc:

@@ -125,7 +125,7 @@ def _run(folder: Path, args: argparse.Namespace) -> int:
         elapsed = (time.perf_counter() - start) * 1e3
         packed = experts.tensors()
 
-        def reference(activation, quant):
+        def reference(activation, quant, hidden=hidden, packed=packed, weights=weights, ids=ids):
             return moe_forward(hidden.double(), *packed, weights, ids, activation, compute_dtype=torch.float64,
                                act_quant=quant)
         ref, ref_silu = reference(cfg.activation, act_quant), reference(silu, act_quant)

@@ -445,7 +445,7 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
         # a_lds workgroups have one K wave (config), so the staged tile is that wave's
         kb0 = L.k_block(bid_k, 0, it, 0, 1, cfg.k_iters, U)
         lds = _stage_tile(cfg, act, lds_plan, kb0) if cfg.tile.schedule.staged else None
-        for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves:
+        for _wave, wave_k, _p_rows, _slots, a_rows, w_rows, accs in waves:
             kb0 = L.k_block(bid_k, wave_k, it, 0, cfg.tile.k_waves, cfg.k_iters, U)
             for u in range(U):
                 kb = kb0 + u
@@ -475,9 +475,9 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
                         for mi in range(m_rep):
                             accs[wi * m_rep + mi] = _mfma_issues(cfg, accs[wi * m_rep + mi], w8, xs[mi * 4 + j])
 
-    joined = {(wave, wave_k): accs for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves}
+    joined = {(wave, wave_k): accs for wave, wave_k, _p_rows, _slots, _a_rows, _w_rows, accs in waves}
     summed = _reduce_k_waves(cfg, joined, g, r)
-    for wave, wave_k, p_rows, slots, a_rows, w_rows, accs in waves:
+    for wave, wave_k, p_rows, slots, _a_rows, _w_rows, _accs in waves:
         if wave_k == 0:      # the first K wave stores
             _epilogue(cfg, wave, bid_m, bid_n, g, r, p_rows, slots, summed[wave], out, tw, beta, lin_beta,
                       sid, sentinel)

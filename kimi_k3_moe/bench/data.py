@@ -31,7 +31,8 @@ def recorded_ids(path: str, num_experts: int, topk: int) -> torch.Tensor:
         else:
             ids = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # any unreadable file is the same user error
-        raise ValueError(f"--routing file:{path}: cannot read recorded top-k ids ({type(exc).__name__}: {exc})")
+        raise ValueError(f"--routing file:{path}: cannot read recorded top-k ids "
+                         f"({type(exc).__name__}: {exc})") from None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != topk or ids.shape[0] < 1 \
             or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"--routing file:{path}: expected integer ids [tokens, {topk}], got "

@@ -18,7 +18,7 @@ def table_rows(result: dict) -> list[tuple[str, ...]]:
     for row in result["rows"]:
         out.append((str(row["tokens"]), "floor", _fmt(row["floor_us"], ".1f"), "1.00", "-", "-",
                     "compute" if row["floor_compute_us"] > row["floor_bw_us"] else "bandwidth"))
-        for name, meta in entries.items():
+        for name in entries:
             res = row["results"].get(name)
             if res is None:  # not available here: said once, under the table
                 continue

@@ -74,7 +74,7 @@ def run_bench(peers: list[Peer], shape: Shape, tokens: list[int], activation: Ac
                "floor_us": max(floor_bw, floor_cmp), "results": {}}
         refs = {}
 
-        def ref_for(act, ref_w, act_quant=None):
+        def ref_for(act, ref_w, act_quant=None, refs=refs, hidden=hidden, weights=weights, ids=ids):
             key = (str(act), id(ref_w) if ref_w else None, act_quant.tag() if act_quant else None)
             if key not in refs:
                 w13_of, w2_of = ref_w or (mx13, mx2)
@@ -96,10 +96,12 @@ def run_bench(peers: list[Peer], shape: Shape, tokens: list[int], activation: Ac
                 if hasattr(r, "config_source"):
                     res["config"] = r.config_source(t)
                 if r.route_in_timing:
-                    res.update(timer.time(lambda: r.run(hidden, r.route(weights, ids))))
+                    res.update(timer.time(lambda r=r, hidden=hidden, weights=weights, ids=ids:
+                                          r.run(hidden, r.route(weights, ids))))
                 else:
-                    res.update(timer.time(lambda: r.run(hidden, routed)))
-                    res["route_us"] = timer.time(lambda: r.route(weights, ids))["median_us"]
+                    res.update(timer.time(lambda r=r, hidden=hidden, routed=routed: r.run(hidden, routed)))
+                    res["route_us"] = timer.time(
+                        lambda r=r, weights=weights, ids=ids: r.route(weights, ids))["median_us"]
                 res["status"] = OK
             except Exception as exc:
                 res.update(status=ERROR, why=f"{type(exc).__name__}: {exc}"[:300])

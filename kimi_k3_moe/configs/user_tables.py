@@ -4,8 +4,8 @@ A user table lives in `$KIMI_K3_MOE_TABLES` (default `$XDG_CACHE_HOME/kimi-k3-mo
 i.e. ~/.cache/...), one file per backend and device. It serves only where it was
 measured: the same device name, arch, driver/ROCm version and Triton major.minor
 (register allocation moves between Triton releases), written by the same package
-version, for the exact layer shape, with every token tier it declares. Anything else (corrupt JSON, another device, another version, a
-missing tier) is refused with a one-line message and the packaged table serves.
+version, for the exact layer shape, with every token tier it declares. Anything else (corrupt
+JSON, another device, another version, a missing tier) is refused with a one-line message and the packaged table serves.
 What an entry holds is the backend's business: each tabled backend declares a
 `TableKind` beside its own tables (kernels/triton/table.py, kernels/flydsl/tiles.py)
 and names it in its `BackendSpec`, so this module knows no backend.

@@ -22,7 +22,8 @@ GROUP_SIZE = 32
 SYMMETRIC_MAX = 7
 METHODS = ("amax", "search", "asym")
 OFFSET_METHODS = ("asym",)
-# "search" has the lowest requantisation error (docs/FORMATS.md, Fidelity) and keeps the symmetric layout the kernels already read.
+# "search" has the lowest requantisation error (docs/FORMATS.md, Fidelity) and keeps the symmetric
+# layout the kernels already read.
 DEFAULT_METHOD = "search"
 _DEFAULT_CHUNK_BYTES = 256 << 20
 # Peak scratch bytes per group of 32 while converting a chunk: measured on

@@ -25,11 +25,10 @@ def strict_match(reply: str) -> str:
 
 
 def flexible_extract(reply: str) -> str:
-    last = None
-    for last in FLEXIBLE.finditer(reply):
-        pass
-    if last is None:
+    matches = list(FLEXIBLE.finditer(reply))
+    if not matches:
         return INVALID
+    last = matches[-1]
     return next(g for g in last.groups() if g).strip()
 
 

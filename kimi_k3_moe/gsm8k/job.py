@@ -59,8 +59,9 @@ def run_questions(server: Server, policy: RetryPolicy, protocol: Protocol, probl
             except queue.Empty:
                 return
             try:
-                completion, attempts = with_retries(lambda: server.complete_once(prompts[problem.index]),
-                                                    policy, should_stop=stop.is_set, on_retry=notice)
+                completion, attempts = with_retries(
+                    lambda problem=problem: server.complete_once(prompts[problem.index]),
+                    policy, should_stop=stop.is_set, on_retry=notice)
                 outcome = replace(completion, attempts=attempts)
             except RequestFailed as exc:
                 stop.set()  # finish what is in flight, start nothing new

@@ -58,7 +58,8 @@ class MoEBackend(ABC):
         prepared = experts if isinstance(experts, self.prepared_types) else self.lay_out(experts)
         weight_format = getattr(prepared, "weight_format", self.format.kind)
         if weight_format != self.format.kind:
-            raise ValueError(f"{self.describe()}: prepared experts are {weight_format}, the backend runs {self.format.kind}")
+            raise ValueError(f"{self.describe()}: prepared experts are {weight_format}, "
+                             f"the backend runs {self.format.kind}")
         return prepared
 
     @abstractmethod

@@ -190,7 +190,8 @@ def tune(target: Target, activation: ActivationSpec, timer, *, budget_s: float, 
                         rel_l2 = max(rel_l2, verdict.rel_l2)
                         if hasattr(timer, "label"):
                             timer.label = cand.label if len(cases) == 1 else f"{cand.label} @{case.name}"
-                        us[case.name] = timer.time(lambda: run(hidden, case.weights, case.ids, emap))["median_us"]
+                        us[case.name] = timer.time(lambda run=run, hidden=hidden, case=case:
+                                                   run(hidden, case.weights, case.ids, emap))["median_us"]
                     if not verdict.ok:
                         state.record(cand, {"status": REJECTED, "why": verdict.why, "rel_l2": verdict.rel_l2,
                                             "label": cand.label, **({"routing": case.name} if len(cases) > 1 else {})})

@@ -51,7 +51,8 @@ def check_weights(path, cfg, *, progress: bool = True) -> tuple[list[str], str]:
         problems += layer_problems
     ignored = (f"; ignored {len(reader.unlisted)} *.safetensors file(s) that {INDEX_FILE} does not list "
                f"({', '.join(p.name for p in reader.unlisted[:3])})" if reader.unlisted else "")
-    summary = (f"weights: {len(reader.shards())} shard(s){ignored}; {len(layers)} MoE layer(s) x {cfg.num_experts} experts "
+    summary = (f"weights: {len(reader.shards())} shard(s){ignored}; {len(layers)} MoE layer(s) "
+               f"x {cfg.num_experts} experts "
                f"x {2 * len(PROJECTIONS)} tensors checked (dtype, shape, NaN/overflowing scale bytes)")
     return problems, summary
 

@@ -252,7 +252,7 @@ def read_layer_experts(
     rows = slice(tp_rank * part, (tp_rank + 1) * part)
     w13_p, w13_s, w2_p, w2_s = [], [], [], []
     for e in ids:
-        def name(proj: str, kind: str) -> str:
+        def name(proj: str, kind: str, e: int = e) -> str:
             return expert_tensor_name(layer, e, proj, kind, reader.prefix)
 
         halves_p, halves_s = [], []

@@ -236,7 +236,8 @@ def _claim(out_dir: Path, record: dict[str, Any], force: bool, log: Callable[[st
         previous = _read_json(partial_path, force)
         if previous is not None and _same_job(previous, record):
             # a file written before the interruption is kept only if its bytes are what was listed
-            record["files"] = {name: entry for name, entry in previous["files"].items() if _intact(out_dir / name, entry)}
+            record["files"] = {name: entry for name, entry in previous["files"].items()
+                               if _intact(out_dir / name, entry)}
             if record["files"]:
                 log(f"resuming: {len(record['files'])} file(s) already converted")
     return False

@@ -158,7 +158,7 @@ def _moe_tensors(gen: torch.Generator, *, num_layers: int, hidden_size: int, rou
                 tensors[expert_tensor_name(layer, e, proj, "weight_packed", prefix)] = packed
                 tensors[expert_tensor_name(layer, e, proj, "weight_scale", prefix)] = scales
 
-        def put(suffix: str, t: torch.Tensor) -> None:
+        def put(suffix: str, t: torch.Tensor, layer: int = layer) -> None:
             tensors[moe_tensor_name(layer, suffix, prefix)] = t.contiguous()
 
         put("gate.weight", (torch.randn(num_experts, h, generator=gen) / h ** 0.5).to(torch.bfloat16))

@@ -71,7 +71,8 @@ def table_configs():
             for key, entry in section["entries"].items():
                 weight_format, e, n, k = tt.parse_shape_key(key)
                 for tier, cfg in entry["tiers"].items():
-                    out.append((weight_format, e, k, n // 2, tt.MoEConfig.from_json(cfg), f"{path.stem} {version} {key} T{tier}"))
+                    out.append((weight_format, e, k, n // 2, tt.MoEConfig.from_json(cfg),
+                                f"{path.stem} {version} {key} T{tier}"))
     for weight_format in ("mxfp4", "int4"):
         for e, h, i in ((896, 3584, 384), (896, 3584, 192)):
             for t in (1, 64, 512, 2048, 16384):

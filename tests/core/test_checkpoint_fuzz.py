@@ -77,7 +77,8 @@ def corrupt_cases(single, sharded, rng):
             flipped = bytearray(data)
             flipped[pos] ^= 1 << rng.randrange(8)
             cases.append((folder, target.name, bytes(flipped), CheckpointError))
-    for name, folder, errors in ((INDEX_FILE, sharded, CheckpointError), ("config.json", single, (ConfigError, CheckpointError))):
+    for name, folder, errors in ((INDEX_FILE, sharded, CheckpointError),
+                                 ("config.json", single, (ConfigError, CheckpointError))):
         text = (folder / name).read_bytes()
         cases += [(folder, name, text[:n], errors) for n in sorted({rng.randrange(len(text)) for _ in range(40)})]
         for _ in range(60):

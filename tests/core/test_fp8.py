@@ -83,7 +83,8 @@ def test_quantize_per_token_matches_an_independent_encoder(gen):
     s = np.where(np.abs(x32).max(-1, keepdims=True) > 0, np.abs(x32).max(-1, keepdims=True) / np.float32(448),
                  np.float32(1)).astype(np.float32)
     assert np.array_equal(codes.numpy(), ml_encode(x32 / s))
-    assert np.array_equal(fp8.dequantize_per_token(codes, scales).numpy(), ml_decode(ml_encode(x32 / s)).astype(np.float32) * s)
+    assert np.array_equal(fp8.dequantize_per_token(codes, scales).numpy(),
+                          ml_decode(ml_encode(x32 / s)).astype(np.float32) * s)
 
 
 @pytest.mark.parametrize("weight_format, bound", [("mx", 2 ** -4), ("token", 2 ** -4)])

@@ -24,7 +24,8 @@ def test_a_whole_model_adds_every_non_moe_tensor_and_file(tmp_path, seed):
     config = json.loads((path / "config.json").read_text())
     text = config["text_config"]
     assert config["model_type"] == "kimi_k3" and text["num_hidden_layers"] == MODEL_SHAPE["num_layers"] == 4
-    assert text["linear_attn_config"]["kda_layers"] == [1, 2, 3] and text["linear_attn_config"]["full_attn_layers"] == [4]
+    assert text["linear_attn_config"]["kda_layers"] == [1, 2, 3]
+    assert text["linear_attn_config"]["full_attn_layers"] == [4]
     assert (text["kv_lora_rank"], text["qk_rope_head_dim"]) == (KV_LORA_RANK, QK_ROPE) == (512, 64)
     assert text["vocab_size"] == 256 + len(SPECIAL_TOKENS)
     assert config["media_placeholder_token_id"] == 256 + SPECIAL_TOKENS.index("<|media_pad|>")

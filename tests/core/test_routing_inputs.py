@@ -105,7 +105,8 @@ def test_the_shared_check_covers_the_map():
 @pytest.mark.parametrize("change,message", [
     (lambda h, w, i: (h[:, :-1], w, i), r"hidden has 63 columns; the experts take hidden size 64"),
     (lambda h, w, i: (torch.cat([h, h[:, :32]], 1), w, i), r"hidden has 96 columns"),
-    (lambda h, w, i: (h.to(torch.int32), w, i), r"hidden must be bfloat16, float16, float32 or float64, got torch.int32"),
+    (lambda h, w, i: (h.to(torch.int32), w, i),
+     r"hidden must be bfloat16, float16, float32 or float64, got torch.int32"),
     (lambda h, w, i: (h[0], w, i), r"hidden must be \[tokens, hidden\], got shape \(64,\)"),
     (lambda h, w, i: (h, w, i.float()), r"topk_ids must be int32 or int64, got torch.float32"),
     (lambda h, w, i: (h, w, i[:-1]), r"topk_ids must be \[tokens, top_k\] with 5 tokens"),

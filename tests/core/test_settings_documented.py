@@ -26,7 +26,8 @@ def test_every_setting_the_package_reads_is_named_in_settings():
     for path in package.rglob("*.py"):
         read |= set(re.findall(r"KIMI_K3_MOE_[A-Z0-9_]+", path.read_text()))
     read.discard("KIMI_K3_MOE_DEMO")  # the marker file demo leaves in its --out folder, not a setting
-    names = {v for k, v in vars(settings).items() if k.isupper() and isinstance(v, str) and v.startswith("KIMI_K3_MOE_")}
+    names = {v for k, v in vars(settings).items()
+             if k.isupper() and isinstance(v, str) and v.startswith("KIMI_K3_MOE_")}
     assert read <= names, f"read outside settings.py: {sorted(read - names)}"
 
 

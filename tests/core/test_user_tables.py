@@ -114,7 +114,8 @@ def test_damaged_or_foreign_tables_are_refused_with_a_message(tables, caplog, se
     assert not found.source.startswith("user table")  # the packaged rule serves
     assert message in caplog.text and str(path) in caplog.text and "the packaged table serves" in caplog.text
     assert len([r for r in caplog.records if "user table" in r.getMessage()]) == 1  # once, not per lookup
-    assert user_tables.describe(tt.USER_TABLE).startswith("packaged table (") and message in user_tables.describe(tt.USER_TABLE)
+    assert user_tables.describe(tt.USER_TABLE).startswith("packaged table (")
+    assert message in user_tables.describe(tt.USER_TABLE)
     assert __version__
 
 

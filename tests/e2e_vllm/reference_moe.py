@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config, Mxfp4MoEMethod
+from vllm.model_executor.utils import set_weight_attrs
 
 VARIANTS = ("situ", "silu", "wrong-beta", "no-linear-beta")
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _done = False
 _variant = "situ"
-
-
-from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
-from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config, Mxfp4MoEMethod
-from vllm.model_executor.utils import set_weight_attrs
 
 
 def register() -> None:

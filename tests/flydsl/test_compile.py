@@ -178,7 +178,8 @@ def test_the_ordering_check_flags_a_missing_release_or_acquire():
     assert artifacts.token_sum_ordering(good) == []
     for wrong in (good.replace(" buffer_wbl2 sc1\n", ""), good.replace(" buffer_inv sc1\n", ""),
                   good.replace(" s_barrier\n global", " global"),
-                  good.replace(" s_barrier\n global", " s_barrier\n buffer_store_dword v1, v2, s[0:3], 0 offen\n global"),
+                  good.replace(" s_barrier\n global",
+                               " s_barrier\n buffer_store_dword v1, v2, s[0:3], 0 offen\n global"),
                   good.replace(" buffer_inv sc1\n buffer_load_dwordx2 v[0:1], v2, s[0:3], 0 offen\n",
                                " buffer_load_dwordx2 v[0:1], v2, s[0:3], 0 offen\n buffer_inv sc1\n"),
                   good.replace(" off sc0", " off")):
@@ -188,7 +189,8 @@ def test_the_ordering_check_flags_a_missing_release_or_acquire():
 def test_the_pipelining_check_flags_a_loop_that_waits_for_its_own_loads():
     waits = ".LBB0_1:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n s_waitcnt vmcnt(0)\n" \
             " v_mfma_f32_16x16x32_bf16 v[8:11], v[0:3], v[0:3], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
-    pipelined = ".LBB0_1:\n s_waitcnt vmcnt(0)\n v_mov_b32 v12, v0\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \
+    pipelined = ".LBB0_1:\n s_waitcnt vmcnt(0)\n v_mov_b32 v12, v0\n" \
+                " buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \
                 " v_mfma_f32_16x16x32_bf16 v[8:11], v[12:15], v[12:15], v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
     # rotated by the compiler: the next block's loads at the top, the wait after every MFMA of the pass
     rotated = ".LBB0_2:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \

@@ -31,7 +31,8 @@ def s1(**kw):
 def test_every_token_count_gets_exactly_the_first_tier_that_serves_it(arch):
     tiers = tiles.default_table()[arch]
     bounds = [t.max_tokens for t in tiers[:-1]]
-    counts = set(range(1, 5000)) | {b + d for b in bounds for d in (-1, 0, 1) if b + d >= 1} | {16384, 32768, 10**6, 2**31}
+    counts = (set(range(1, 5000)) | {b + d for b in bounds for d in (-1, 0, 1) if b + d >= 1}
+              | {16384, 32768, 10**6, 2**31})
     for n in sorted(counts):
         tier = tiles.tier_for(arch, n)
         first = next(t for t in tiers if t.max_tokens is None or n <= t.max_tokens)
@@ -71,7 +72,8 @@ def test_bad_tables_are_refused_when_loaded(edit, message):
 def test_tiles_fit_every_shape_the_kernels_can_serve(arch, hidden, inter):
     weight_format = "int4" if arch == "gfx942" else "mxfp4"
     for n in (1, 129, 2049):
-        c1, c2 = tiles.stage_configs(arch, weight_format, hidden=hidden, inter=inter, top_k=8, num_tokens=n, activation=SITU)
+        c1, c2 = tiles.stage_configs(arch, weight_format, hidden=hidden, inter=inter, top_k=8, num_tokens=n,
+                                     activation=SITU)
         assert (c1.shape.N, c1.shape.K, c2.shape.N, c2.shape.K) == (inter, hidden, hidden, inter)
 
 

@@ -212,7 +212,8 @@ def test_the_fused_top_k_sum_matches_the_sum_kernel_bit_for_bit_in_any_workgroup
         kw = dict(expert_map=emap, table=tiles_)
         separate = emulate(prep, arch, x, tw, ids, act, reduce="slots", **kw)
         for order in (None, gen, gen):
-            launch = emulator.launch if order is None else lambda cfg, args: emulator.launch(cfg, args, shuffle=order)
+            launch = emulator.launch if order is None else (
+                lambda cfg, args, order=order: emulator.launch(cfg, args, shuffle=order))
             fused = pipeline.moe_forward(prep, x, tw, ids, act, emap, arch=arch, launch=launch, table=tiles_,
                                          reduce="fused")
             assert torch.equal(fused, separate), (tokens, relative_l2(fused.float(), separate.float()))
@@ -268,8 +269,8 @@ def test_k_split_over_waves_matches_the_reference_and_its_indices_are_checked(ge
     weight_format = prep.weight_format
     results = {}
     for direct in (E, None):
-        c1, c2 = tiles.stage_configs(arch, weight_format, hidden=hidden, inter=I, top_k=K, num_tokens=3, activation=SITU,
-                                     has_offsets=prep.has_offsets, direct_experts=direct)
+        c1, c2 = tiles.stage_configs(arch, weight_format, hidden=hidden, inter=I, top_k=K, num_tokens=3,
+                                     activation=SITU, has_offsets=prep.has_offsets, direct_experts=direct)
         for waves, k_waves in ((1, 4), (2, 2)):
             v1 = c1.with_tile(waves=waves, k_waves=k_waves, schedule=c1.tile.schedule.with_staging(False))
             use = ids if direct else ids.long()          # int64 ids take the aligned layout

@@ -119,9 +119,9 @@ def test_timeout_none_means_no_limit_and_the_job_finishes(world, gsm8k):
 ])
 def test_numbers_it_cannot_hold_are_refused_in_one_line(world, gsm8k, capsys, flag, value, needle):
     try:
-        code, out, err = gsm8k(world.args(flag, value))
+        code, _out, err = gsm8k(world.args(flag, value))
     except SystemExit as exc:  # argparse's usage error, as the command line would end
-        code, (out, err) = exc.code, capsys.readouterr()
+        code, (_out, err) = exc.code, capsys.readouterr()
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("kimi-k3-moe gsm8k: error: "), err
     assert needle in lines[0], lines[0]

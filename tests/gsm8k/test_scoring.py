@@ -158,7 +158,8 @@ def test_gate_rules():
     for bad, msg in [((0.9, 0.8, 0.1), "--threshold and --baseline and --rtol are two different gates"),
                      ((0.9, 0.8, None), "--threshold and --baseline are two different gates: give "
                                         r"--threshold T or --baseline B \[--rtol R\], not both"),
-                     ((None, 0.8, 0.1), "--threshold and --rtol are two"), ((None, None, 0.1), "relative to --baseline"),
+                     ((None, 0.8, 0.1), "--threshold and --rtol are two"),
+                     ((None, None, 0.1), "relative to --baseline"),
                      ((1.5, None, None), "--baseline 1.5 is outside"), ((0.9, None, 1.0), "--rtol 1.0 is outside")]:
         with pytest.raises(ValueError, match=msg):
             make_gate(*bad)

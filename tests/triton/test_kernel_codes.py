@@ -58,8 +58,8 @@ GEMV = tt.heuristic_config(256, 128, 1, is_cuda=True)
 
 
 @pytest.mark.parametrize("cfg", [ALIGNED, DIRECT, GEMV], ids=["aligned", "direct", "gemv"])
-@pytest.mark.parametrize("weight_format, offsets, wide", [(MXFP4, False, False), (MXFP4, False, True), (INT4, False, False),
-                                                (INT4, True, False)])
+@pytest.mark.parametrize("weight_format, offsets, wide", [(MXFP4, False, False), (MXFP4, False, True),
+                                                           (INT4, False, False), (INT4, True, False)])
 def test_every_stage_launch_carries_the_weights_code(cfg, weight_format, offsets, wide):
     args = _stage_args(cfg, weight_format, offsets, wide=wide)
     assert len(args) == 2

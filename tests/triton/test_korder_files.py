@@ -32,7 +32,7 @@ def test_the_stage_constexprs_come_from_the_members():
 
 
 def test_only_the_home_and_the_kernels_name_the_codes():
-    names = re.compile(r"\bORDER_(?:%s)\b" % "|".join(o.name for o in KOrder))
+    names = re.compile(rf"\bORDER_(?:{'|'.join(o.name for o in KOrder)})\b")
     naming = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if names.search(p.read_text())}
     assert naming == {p.relative_to(PACKAGE).as_posix() for p in (HOME, KERNELS)}
     assert "import constants" not in (PACKAGE / "kernels" / "triton" / "korder.py").read_text()

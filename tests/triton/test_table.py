@@ -182,11 +182,13 @@ def test_configs_of_the_warp_specialised_stages_are_refused_with_a_message():
     kernels that no longer exist) and says so, for both forms earlier releases wrote."""
     s1 = {**KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS).to_json(), "ws": True}
     cfg = MoEConfig("aligned", 160, stage2=KernelConfig(64, 128, 4, 3, True, KOrder.PLAIN_INTER, 28)).to_json()
-    for bad, where in (({**cfg, "stage1": s1}, "stage1.ws"), ({**cfg, "stage2": {**cfg["stage2"], "ws": True}}, "stage2.ws"),
+    for bad, where in (({**cfg, "stage1": s1}, "stage1.ws"),
+                       ({**cfg, "stage2": {**cfg["stage2"], "ws": True}}, "stage2.ws"),
                        ({**cfg, "path": "ws"}, "path 'ws'")):
         with pytest.raises(ValueError, match=f"^{re.escape(where)}: the warp-specialised kernels were removed"):
             MoEConfig.from_json(bad)
-    assert MoEConfig.from_json({**cfg, "stage1": {**s1, "ws": False}}).stage1 == KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS)
+    assert MoEConfig.from_json({**cfg, "stage1": {**s1, "ws": False}}).stage1 == \
+        KernelConfig(128, 32, 8, 4, True, KOrder.PAIRS)
     assert "ws" not in KernelConfig().to_json()
 
 
@@ -370,7 +372,8 @@ def test_the_packaged_writer_merges_tiers_into_the_running_tritons_section_only(
     s38 = table["tritons"]["3.8"]
     assert list(s38["entries"][key]["tiers"]) == ["1", "64", "4096", "16384"] and s38["tiers"] == [1, 64, 4096, 16384]
     assert s38["entries"][key]["tiers"]["64"]["block_m"] == 32 and s38["tuned_with"]["run"] == 2
-    assert s38["entries"][key]["tiers"]["4096"]["block_m"] == 64 and s38["entries"][key]["tiers"]["16384"]["block_m"] == 32
+    assert s38["entries"][key]["tiers"]["4096"]["block_m"] == 64
+    assert s38["entries"][key]["tiers"]["16384"]["block_m"] == 32
     assert table["tritons"]["3.6"]["entries"][key]["tiers"]["64"]["block_m"] == 16
     bad = {"tiers": {"16": {**cfg(16), "stage1": {**cfg(16)["stage1"], "order": "zigzag"}}}}
     with pytest.raises(ValueError):

@@ -87,7 +87,8 @@ class FlyDSLBackend(MoEBackend):
         try:
             importlib.import_module("flydsl.compiler")
         except Exception as exc:   # flydsl missing, or numpy (an undeclared dependency) missing
-            return False, f"flydsl does not import here ({type(exc).__name__}: {exc}); pip install 'kimi-k3-moe[flydsl]'"
+            return False, (f"flydsl does not import here ({type(exc).__name__}: {exc}); "
+                           "pip install 'kimi-k3-moe[flydsl]'")
         try:
             importlib.import_module("triton")
         except Exception as exc:   # the forward's alignment and top-k sum are Triton kernels

@@ -71,7 +71,8 @@ class TritonBackend(MoEBackend):
             raise ValueError(f"triton backend: chunk_tokens must be >= 1, got {chunk_tokens}")
         self.arch = arch if arch is not None else detect_arch()
         # as the spec declares (the error names the arch and its choices)
-        act_dtype = check_supported(self.name, self.arch, act_dtype, SPEC.act_dtypes(for_arch(self.arch), weight_format.kind))
+        act_dtype = check_supported(self.name, self.arch, act_dtype,
+                                    SPEC.act_dtypes(for_arch(self.arch), weight_format.kind))
         self.act_dtype = act_dtype
         self.act_quant = SPEC.act_quant_for(self.arch, act_dtype)
         self.format = weight_format
@@ -204,7 +205,8 @@ def _cached_lookup_inner(dev_key, weight_format, e, h, i, t, is_cuda, arch) -> L
 
 def _cached_lookup(dev_key, weight_format, e, h, i, t, is_cuda, table, arch) -> Lookup:
     if table is not None:
-        return triton_table.lookup(dev_key, weight_format, e, h, i, t, is_cuda=is_cuda, table=table, verify=spill_check(arch))
+        return triton_table.lookup(dev_key, weight_format, e, h, i, t, is_cuda=is_cuda, table=table,
+                                   verify=spill_check(arch))
     return _cached_lookup_inner(dev_key, weight_format, e, h, i, t, is_cuda, arch)
 
 
@@ -216,7 +218,8 @@ CHECK_TOP_K = 16
 
 def spill_check(arch: str):
     """The lookup's check of a table entry tuned under another Triton (triton_table.Verify)."""
-    return lambda cfg, weight_format, e, h, i, tier: _spills(arch, weight_format, e, h, i, tier, json.dumps(cfg.to_json(), sort_keys=True))
+    return lambda cfg, weight_format, e, h, i, tier: _spills(arch, weight_format, e, h, i, tier,
+                                                             json.dumps(cfg.to_json(), sort_keys=True))
 
 
 @lru_cache(maxsize=256)

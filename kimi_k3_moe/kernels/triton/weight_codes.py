@@ -22,7 +22,8 @@ def weights_code(weight_format: str, decode: int, offsets: bool) -> int:
     code, decode_code) and whether they carry per-group offsets (int4 only)."""
     key = (FMT_CODES.get(weight_format), decode, bool(offsets))
     if key not in C.WEIGHTS:
-        raise ValueError(f"no kernel decodes {weight_format!r} weights with decoder {DECODE_NAMES.get(decode, decode)!r} "
+        raise ValueError(f"no kernel decodes {weight_format!r} weights with decoder "
+                         f"{DECODE_NAMES.get(decode, decode)!r} "
                          f"and offsets={bool(offsets)} (the wide PTX decoder is MXFP4's, offsets int4's)")
     return C.WEIGHTS.index(key)
 

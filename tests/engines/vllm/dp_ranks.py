@@ -27,7 +27,8 @@ SIZES = (7, 4)  # uneven batches: the sizes come from the DP metadata, not from 
 
 
 def dp_tokens(seed: int, rank: int) -> torch.Tensor:
-    return torch.randn(SIZES[rank], k3.HIDDEN, generator=torch.Generator().manual_seed(seed + 101 * rank)).to(torch.bfloat16)
+    return torch.randn(SIZES[rank], k3.HIDDEN,
+                       generator=torch.Generator().manual_seed(seed + 101 * rank)).to(torch.bfloat16)
 
 
 def gloo_collectives() -> None:
@@ -156,7 +157,8 @@ def dp_rank_worker(rank: int, port: int, checkpoint: str, out_dir: str, seed: in
         try:
             with env(**TIER2):
                 block, recorder = served_block(configs["dp-tail"], path)
-                result["dp-tail"] = dict(out=dp_forward(block, configs["dp-tail"], x), ids=recorder.calls[0]["topk_ids"])
+                result["dp-tail"] = dict(out=dp_forward(block, configs["dp-tail"], x),
+                                         ids=recorder.calls[0]["topk_ids"])
         finally:
             _vllm_method.refuse_latent_tail_under_dp = refuse
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")

@@ -87,7 +87,8 @@ def test_vllms_loader_put_w1_then_w3(served):
                                                  layer.w2_weight_scale)):
         assert torch.equal(ours, theirs.data)
     i = k3.INTER
-    w1 = k3.checkpoint_tensors(checkpoint)[f"{k3.CHECKPOINT_PREFIX}layers.{k3.LAYER}.block_sparse_moe.experts.3.w1.weight_packed"]
+    w1 = k3.checkpoint_tensors(checkpoint)[
+        f"{k3.CHECKPOINT_PREFIX}layers.{k3.LAYER}.block_sparse_moe.experts.3.w1.weight_packed"]
     assert torch.equal(layer.w13_weight.data[3, :i], w1)
 
 

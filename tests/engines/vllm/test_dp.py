@@ -58,7 +58,7 @@ def test_each_dp_rank_matches_the_reference(dp_ranks, k3_checkpoint, mode):
     import vllm_k3 as k3
 
     eps = _eps(k3_checkpoint)
-    for rank, result in dp_ranks.items():
+    for result in dp_ranks.values():
         got = result[mode]
         assert got["prepare_finalize"] == "MoEPrepareAndFinalizeNaiveDPEPModular"
         assert got["experts"] == "K3ModularExperts" and not got["naive"]
@@ -78,7 +78,8 @@ def test_latent_tail_bug_under_dp_without_ep(dp_ranks, k3_checkpoint):
     eps, half = _eps(k3_checkpoint), k3.HIDDEN // 2
     for result in dp_ranks.values():
         out, x = result["dp-tail"]["out"], result["x"]
-        routed, shared = k3.block_reference_parts(k3_checkpoint, x, SITU, SITU, eps, engine_ids=result["dp-tail"]["ids"])
+        routed, shared = k3.block_reference_parts(k3_checkpoint, x, SITU, SITU, eps,
+                                                  engine_ids=result["dp-tail"]["ids"])
         assert k3.rel_l2(out[:, :half], (routed + shared)[:, :half]) <= 1e-2
         assert k3.rel_l2(out[:, half:], shared[:, half:]) <= 1e-2
         assert k3.rel_l2(out[:, half:], (routed + shared)[:, half:]) > 0.1

@@ -215,7 +215,8 @@ def test_all_to_all_layouts_sum_to_the_layer(served, k3_checkpoint, gen, backend
     for dest in range(EP):
         moe = dataclasses.replace(method.moe, moe_parallel_config=ep_parallel_config(backend, dest),
                                   num_local_experts=local)
-        routed = RoutedExperts(SITU, platform=Platform("cpu"), plan=[BackendChoice("torch", {"weight_format": "mxfp4"})])
+        routed = RoutedExperts(SITU, platform=Platform("cpu"),
+                               plan=[BackendChoice("torch", {"weight_format": "mxfp4"})])
         routed.load(experts.select(list(range(dest * local, (dest + 1) * local))))
         fused = K3ModularExperts(moe, weight_only_quant_config(), routed)
         assert fused.counts_valid_rows == (layout == "mori")
@@ -240,8 +241,8 @@ def test_all_to_all_layouts_sum_to_the_layer(served, k3_checkpoint, gen, backend
 
 
 # ---- formats and setups refused at load, in one line ---------------------------------------
-@pytest.mark.parametrize("backend", ["deepep_low_latency", "nixl_ep", "moonep", "deepep_v2", "flashinfer_nvlink_one_sided",
-                                     "flashinfer_nvlink_two_sided", "passthrough"])
+@pytest.mark.parametrize("backend", ["deepep_low_latency", "nixl_ep", "moonep", "deepep_v2",
+                                     "flashinfer_nvlink_one_sided", "flashinfer_nvlink_two_sided", "passthrough"])
 def test_unserved_all2all_backends_refused_in_one_line(served, backend, monkeypatch):
     as_on_rocm_with_aiter_moe(monkeypatch)  # MoRI configs need it (module docstring)
     from vllm.config import set_current_vllm_config
@@ -309,7 +310,8 @@ def test_dp_without_ep_refused_for_the_latent_tail_bug(served, monkeypatch):
     # vLLM's CPU platform turns the shared-experts stream off (so every batch takes the faulty tail); on a GPU
     # it is on, and a threshold at max_num_batched_tokens keeps every batch on the correct tail.
     monkeypatch.setenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "0")
-    monkeypatch.setenv("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD", str(config.scheduler_config.max_num_batched_tokens))
+    monkeypatch.setenv("VLLM_SHARED_EXPERTS_STREAM_TOKEN_THRESHOLD",
+                       str(config.scheduler_config.max_num_batched_tokens))
     with set_current_vllm_config(config):
         K3RoutedExpertsMethod.for_moe(moe)
     with_ep = dataclasses.replace(parallel, use_ep=True, tp_size=1, ep_size=2)

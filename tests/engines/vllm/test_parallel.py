@@ -95,7 +95,8 @@ def test_tp_split_and_padding(two_ranks, k3_checkpoint):
         assert tp["intermediate_per_partition"] == 256 and tp["unpadded"] == i
         mine = k3.reference_experts(k3_checkpoint, tp_rank=rank, tp_size=2)
         w13, w13_scale, w2, w2_scale = tp["loaded"]
-        assert torch.equal(w13[:, :i], mine.w13_packed[:, :i]) and torch.equal(w13[:, 256:256 + i], mine.w13_packed[:, i:])
+        assert torch.equal(w13[:, :i], mine.w13_packed[:, :i])
+        assert torch.equal(w13[:, 256:256 + i], mine.w13_packed[:, i:])
         assert torch.equal(w13_scale[:, :i], mine.w13_scale[:, :i])
         assert torch.equal(w2[:, :, :i // 2], mine.w2_packed) and torch.equal(w2_scale[:, :, :i // 32], mine.w2_scale)
         for t in (w13[:, i:256], w13[:, 256 + i:], w13_scale[:, i:256], w2[:, :, i // 2:], w2_scale[:, :, i // 32:]):

@@ -257,7 +257,8 @@ def block_reference_parts(checkpoint: Path, x: torch.Tensor, routed_activation, 
     weights = weights / weights.sum(-1, keepdim=True)
     latent = xd @ t[p + "routed_expert_down_proj.weight"].double().T
     routed = routed_reference(reference_experts(checkpoint), latent, weights, ids.to(torch.int32), routed_activation)
-    routed = routed * torch.rsqrt(routed.pow(2).mean(-1, keepdim=True) + eps) * t[p + "routed_expert_norm.weight"].double()
+    routed = (routed * torch.rsqrt(routed.pow(2).mean(-1, keepdim=True) + eps)
+              * t[p + "routed_expert_norm.weight"].double())
     routed = routed @ t[p + "routed_expert_up_proj.weight"].double().T
     gate_up = torch.cat([xd @ t[p + "shared_experts.gate_proj.weight"].double().T,
                          xd @ t[p + "shared_experts.up_proj.weight"].double().T], -1)

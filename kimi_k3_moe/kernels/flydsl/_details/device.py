@@ -171,7 +171,8 @@ def mma(cfg, acc, a8, b8):
     xi = b8.bitcast(fx.Int16)
     for h in range(2):
         sel = [4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3]
-        acc = fx.Vector(rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32), [wi.shuffle(wi, sel), xi.shuffle(xi, sel), acc]))
+        acc = fx.Vector(rocdl.mfma_f32_16x16x16bf16_1k(T.vec(4, T.f32),
+                                                       [wi.shuffle(wi, sel), xi.shuffle(xi, sel), acc]))
     return acc
 
 
