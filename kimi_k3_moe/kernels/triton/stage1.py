@@ -105,7 +105,8 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
 def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: torch.Tensor | None, activation: ActivationSpec, cfg: KernelConfig,
                 decode: str, out_block_k: int) -> tuple[torch.Tensor, Launch]:
-    """`hidden` in word order of cfg.block_k tiles; inter comes out in word order of out_block_k."""
+    """`hidden` as the layer gives it (row-major, any float dtype); inter comes out in word order of
+    out_block_k."""
     num_pairs = topk_ids.numel()
     topk = topk_ids.shape[1]
     inter_size = experts.intermediate_size

@@ -8,9 +8,12 @@ map, its local slots one at a time; summed in a fixed order in fp32
 of tokens nearly every pair has its own expert, so grouping pairs buys
 nothing and its launches cost more than they save.
 
-Weights are decoded word by word: v_j holds K = 8c + j. The activations
-arrive in word order (permute_kernels.py), so the eight slots j read
-contiguous runs and no register shuffles restore K order.
+Weights are decoded word by word: v_j holds K = 8c + j. Stage 1 reads the
+layer input as it is: each K step loads a [BLOCK_K/8, 8] tile (one 16-byte
+row per word c) and splits it in registers into the eight slots j, so no
+launch copies the input into word order first. Stage 2 reads the
+intermediate in word order (stage 1 writes it so), where the eight slots j
+are contiguous runs.
 """
 import triton
 import triton.language as tl
@@ -40,10 +43,37 @@ def _fma_words(acc, x_ptrs, x_mask, vs, W: tl.constexpr):
 
 
 @triton.jit
+def _fma_plain(acc, x_row, vs, W: tl.constexpr):
+    """acc += sum_j vs[j] * x_j, x in plain order from x_row (one row, K = 8c + j at x_row + 8c + j): one
+    [W, 8] load, split into the eight slots j (bf16-rounded, as the word-order copy stored them)."""
+    c = tl.arange(0, W)
+    j = tl.arange(0, 8)
+    x = tl.load(x_row + 8 * c[:, None] + j[None, :])
+    x = cast_to(x, tl.bfloat16).to(tl.float32)
+    even, odd = tl.split(tl.reshape(x, (W, 2, 2, 2)))   # j = 4a + 2b + (0 | 1)
+    x04, x26 = tl.split(even)
+    x15, x37 = tl.split(odd)
+    x0, x4 = tl.split(x04)
+    x2, x6 = tl.split(x26)
+    x1, x5 = tl.split(x15)
+    x3, x7 = tl.split(x37)
+    acc += vs[0].to(tl.float32) * x0[None, :]
+    acc += vs[1].to(tl.float32) * x1[None, :]
+    acc += vs[2].to(tl.float32) * x2[None, :]
+    acc += vs[3].to(tl.float32) * x3[None, :]
+    acc += vs[4].to(tl.float32) * x4[None, :]
+    acc += vs[5].to(tl.float32) * x5[None, :]
+    acc += vs[6].to(tl.float32) * x6[None, :]
+    acc += vs[7].to(tl.float32) * x7[None, :]
+    return acc
+
+
+@triton.jit
 def _fma_k_loop(acc, tile, x_words, x_mask, K: tl.constexpr, code, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                PDL: tl.constexpr):
+                PDL: tl.constexpr, X_PLAIN: tl.constexpr = False):
     """acc [ROWS, BLOCK_K/8] += the words of W[:, 0:K] times x (word order), decoded step by step.
-    tile: the WeightTile of W's rows, code: its WeightCode (_details/groups.py).
+    tile: the WeightTile of W's rows, code: its WeightCode (_details/groups.py). X_PLAIN: x_words is
+    instead one row's pointer with x in plain order (_fma_plain; x_mask unused).
 
     The weight loads run one K step ahead of the arithmetic (they feed no dot, so the compiler's
     pipeliner leaves them alone); the step after the last re-reads the last tile (an L2 hit)
@@ -57,7 +87,10 @@ def _fma_k_loop(acc, tile, x_words, x_mask, K: tl.constexpr, code, ROWS: tl.cons
         k_next = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
         w_next, s_next, o_next = load_weight_raw(tile, k_next, code, BLOCK_K)
         vs = decode_weight_raw(w, s, o, code, ROWS, BLOCK_K)
-        acc = _fma_words(acc, x_words + k0, x_mask, vs, BLOCK_K // 8)
+        if X_PLAIN:
+            acc = _fma_plain(acc, x_words + k0, vs, BLOCK_K // 8)
+        else:
+            acc = _fma_words(acc, x_words + k0, x_mask, vs, BLOCK_K // 8)
         w, s, o = w_next, s_next, o_next
     return acc
 
@@ -77,7 +110,8 @@ def stage1_gemv_kernel(
 ):
     """inter[pair, n] = act(gate . x, up . x) for one (token, slot) pair and BLOCK_N columns.
 
-    x is in word order of BLOCK_K tiles; inter is written in word order of OUT_BLOCK_K
+    x is the layer input in plain order (any float dtype, rounded to bf16 as it is read; hidden a
+    multiple of BLOCK_K); inter is written in word order of OUT_BLOCK_K
     tiles (stage 2's), or in plain order when OUT_BLOCK_K is 0. WEIGHTS: _details/constants.py. PDL:
     see _details/pdl.py; the first weights are requested before the wait (_fma_k_loop)."""
     let_next_start(PDL)
@@ -95,11 +129,9 @@ def stage1_gemv_kernel(
     mask_r = (n < inter_size)[:, None]
     w_rows = w_ptr + e64 * stride_we + w_row[:, None].to(tl.int64) * stride_wn
     so = e64 * stride_se + w_row[:, None].to(tl.int64) * stride_sn
-    cw = tl.arange(0, BLOCK_K // 8)
-    x_words = x_ptr + tok * stride_xm + cw[None, :]
     acc = tl.zeros((2 * BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
-    acc = _fma_k_loop(acc, WeightTile(w_rows, s_ptr + so, o_ptr + so, mask_r), x_words, cw[None, :] >= 0, hidden,
-                      code, 2 * BLOCK_N, BLOCK_K, PDL)
+    acc = _fma_k_loop(acc, WeightTile(w_rows, s_ptr + so, o_ptr + so, mask_r), x_ptr + tok * stride_xm, None, hidden,
+                      code, 2 * BLOCK_N, BLOCK_K, PDL, True)
     gate, up = tl.split(tl.reshape(tl.sum(acc, axis=1), (BLOCK_N, 2)))
     h = apply_activation(gate, up, beta, linear_beta, ACT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
