@@ -19,9 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of token counts (>= 1)")
     parser.add_argument("--json", dest="json_out", help="write the full result here")
     parser.add_argument("--ours", default="auto", help="our rows, e.g. triton,triton:int4,flydsl (auto: this platform's)")
-    parser.add_argument("--peers", default="humming,aiter,triton_kernels,torch",
+    parser.add_argument("--peers", default="humming,aiter,triton_kernels,flashinfer,torch",
                         help="peer rows (those that cannot run here say why)")
-    parser.add_argument("--peer-path", default=".peer", help="folder holding the triton_kernels package")
+    parser.add_argument("--peer-path", default=".peer",
+                        help="folder holding the triton_kernels (and, if not installed, flashinfer) package")
     parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
     parser.add_argument("--seed", type=non_negative_int, default=None, help="data seed (default: fresh)")
     parser.add_argument("--routing", default="uniform", type=routing_arg,
