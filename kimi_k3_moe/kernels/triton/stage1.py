@@ -59,6 +59,15 @@ def weight_args(experts: TritonExperts, which: str, decode: str) -> dict:
                 WEIGHTS=weights_code(experts.weight_format, decode_code(decode, experts.wide_scales), o is not None))
 
 
+GEMV_MAX_AHEAD = 4
+
+
+def gemv_ahead(cfg: KernelConfig) -> int:
+    """K steps of weights a GEMV program keeps in flight: the stage's num_stages on the gemv path (whose
+    loops have no dot for the compiler to pipeline), at most GEMV_MAX_AHEAD."""
+    return min(cfg.num_stages, GEMV_MAX_AHEAD)
+
+
 def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch]:
     """hidden (any float dtype) -> bf16 copy in word order of block_k tiles (see permute_kernels.py)."""
     out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
@@ -119,6 +128,7 @@ def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Te
                 TOPK=topk, HAS_MAP=expert_map is not None,
                 num_ids=experts.num_experts if expert_map is None else expert_map.numel(),
                 num_local=experts.num_experts,
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k, PDL=False)
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k,
+                AHEAD=gemv_ahead(cfg), PDL=False)
     grid = (num_pairs, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_gemv_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.gemv")
