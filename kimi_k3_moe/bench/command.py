@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kimi_k3_moe.bench.shapes import add_shape_arguments
 from kimi_k3_moe.bench.routing import ROUTINGS, routing_arg
+from kimi_k3_moe.bench.shapes import add_shape_arguments
 from kimi_k3_moe.cli import count_list, non_negative_int, positive_int
 
 HELP = ("time every backend that runs here and the engine's own Kimi-K3 path (Humming on Hopper, aiter on "
@@ -18,10 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default=DEFAULT_TOKENS,
                         help="comma list of token counts (>= 1)")
     parser.add_argument("--json", dest="json_out", help="write the full result here")
-    parser.add_argument("--ours", default="auto", help="our rows, e.g. triton,triton:int4,flydsl (auto: this platform's)")
-    parser.add_argument("--peers", default="humming,aiter,triton_kernels,torch",
+    parser.add_argument("--ours", default="auto",
+                        help="our rows, e.g. triton,triton:int4,flydsl (auto: this platform's)")
+    parser.add_argument("--peers", default="humming,aiter,triton_kernels,flashinfer,torch",
                         help="peer rows (those that cannot run here say why)")
-    parser.add_argument("--peer-path", default=".peer", help="folder holding the triton_kernels package")
+    parser.add_argument("--peer-path", default=".peer",
+                        help="folder holding the triton_kernels (and, if not installed, flashinfer) package")
     parser.add_argument("--reps", type=positive_int, default=25, help="graph replays per figure (median)")
     parser.add_argument("--seed", type=non_negative_int, default=None, help="data seed (default: fresh)")
     parser.add_argument("--routing", default="uniform", type=routing_arg,

@@ -11,16 +11,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 import triton_problems as P
 from moe_helpers import SITU
+
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
+from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton.backend import TritonBackend
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
 from kimi_k3_moe.reference import dense_moe, relative_l2
-from kimi_k3_moe.experts import Int4Experts
 from kimi_k3_moe.weights.requant import requantize_experts
 
 SILU = ActivationSpec.silu()
@@ -326,3 +326,28 @@ def test_tail_tile_under_an_expert_map(order, problem):
     weights, ids = skewed_routing(gen)
     out = run(backend, prepared, hidden, weights, ids, SITU, emap)
     assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
+
+
+@pytest.mark.parametrize("emapped", [False, True], ids=["all-local", "expert-map"])
+def test_gemv_steps_in_flight_change_no_bit(gen, emapped):
+    """The small-batch path keeps num_stages K steps of weights in flight (1-4, the GEMV kernels' AHEAD):
+    how far ahead the loads run changes no arithmetic, so every depth gives the same bits, with stage 1
+    reading the layer input in plain order (fp32 input, rounded to bf16 as it is read) and K = 2 steps of
+    128 (fewer steps than the deepest prefetch: the steps past the last re-read the last tile)."""
+    ex = P.experts(gen, e=4, h=256, i=64)
+    emap = None
+    weights, ids = P.routing(gen, 3, e=4, topk=3)
+    if emapped:
+        emap = torch.full((8,), -1, dtype=torch.int32)
+        emap[torch.tensor([1, 2, 5, 7])] = torch.arange(4, dtype=torch.int32)
+        weights, ids = P.routing(gen, 3, e=8, topk=3)
+    hidden = P.hidden(gen, 3, h=256).float()
+    outs = []
+    for ahead in (1, 4):
+        cfg = MoEConfig("gemv", 16, KernelConfig(8, 128, 4, ahead), KernelConfig(16, 32, 4, ahead), "bits")
+        backend = get_backend("triton", config=cfg)
+        prepared = backend.prepare(ex)
+        outs.append(P.run(backend, prepared, hidden, weights, ids, SITU, emap))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    ref = reference(backend, prepared, hidden.to(torch.bfloat16), weights, ids, SITU, emap)
+    assert relative_l2(outs[0].float(), ref) < TOL

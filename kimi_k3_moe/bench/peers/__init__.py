@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kimi_k3_moe.bench.peers.base import ENGINE, OTHER, OURS, Peer, PeerUnavailable, Runner
 
-PEER_NAMES = ("humming", "aiter", "triton_kernels", "torch")
+PEER_NAMES = ("humming", "aiter", "triton_kernels", "flashinfer", "torch")
 
 
 def make_peer(name: str, peer_path: str | None = None) -> Peer:
@@ -16,6 +16,9 @@ def make_peer(name: str, peer_path: str | None = None) -> Peer:
     if name == "triton_kernels":
         from kimi_k3_moe.bench.peers.triton_kernels import TritonKernelsPeer
         return TritonKernelsPeer(peer_path)
+    if name == "flashinfer":
+        from kimi_k3_moe.bench.peers.flashinfer import FlashInferPeer
+        return FlashInferPeer(peer_path)
     if name == "torch":
         from kimi_k3_moe.bench.peers.torch_grouped import TorchGroupedPeer
         return TorchGroupedPeer()

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import ActivationSpec
-from kimi_k3_moe.kernels.triton.table import KOrder, MoEConfig
 from kimi_k3_moe.kernels.common.alignment import align_launches, direct_pairs
 from kimi_k3_moe.kernels.common.launch import Launch, chain_dependents
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, word_order
 from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k, stage2_aligned, stage2_gemv
+from kimi_k3_moe.kernels.triton.table import KOrder, MoEConfig
 
 
 def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.Tensor,
@@ -24,13 +24,12 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
 
 def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, out, config) -> list[Launch]:
     s1_cfg, s2_cfg = config.stage1, config.stage2
-    if config.path == "gemv":  # both stages read their activations in word order
-        x, permute = word_order(hidden, s1_cfg.block_k)
+    if config.path == "gemv":  # two launches: stage 1 reads hidden as it is, stage 2 inter in word order
         s2_block_k = gemv_block_k(s2_cfg, topk_ids.shape[1], experts.intermediate_size, expert_map)
-        inter, s1 = stage1_gemv(experts, x, topk_ids, expert_map, activation, s1_cfg, config.decode,
+        inter, s1 = stage1_gemv(experts, hidden, topk_ids, expert_map, activation, s1_cfg, config.decode,
                                 out_block_k=s2_block_k)  # stage 2 reads inter in that word order
-        return [permute, s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
-                                          s2_cfg, config.decode, s2_block_k)]
+        return [s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
+                                 s2_cfg, config.decode, s2_block_k)]
     bm1, bm2 = config.block_ms
     if config.path == "direct":
         pairs = pairs2 = direct_pairs(topk_ids, expert_map, bm1, experts.num_experts)

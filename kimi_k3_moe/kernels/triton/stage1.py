@@ -8,15 +8,15 @@ from __future__ import annotations
 import torch
 
 from kimi_k3_moe.activation import SILU, SITUV2, ActivationSpec, UnsupportedActivationError
-from kimi_k3_moe.kernels.triton.table import KernelConfig
+from kimi_k3_moe.kernels.common.alignment import AlignedPairs
+from kimi_k3_moe.kernels.common.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
 from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_pairs_kernel, permute_words_kernel
-from kimi_k3_moe.kernels.common.alignment import AlignedPairs
 from kimi_k3_moe.kernels.triton.korder import stage1_args
-from kimi_k3_moe.kernels.common.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
+from kimi_k3_moe.kernels.triton.table import KernelConfig
 from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code
 
 
@@ -57,6 +57,15 @@ def weight_args(experts: TritonExperts, which: str, decode: str) -> dict:
                 s_ptr=s, stride_se=s.stride(0), stride_sn=s.stride(1),
                 o_ptr=s if o is None else o,
                 WEIGHTS=weights_code(experts.weight_format, decode_code(decode, experts.wide_scales), o is not None))
+
+
+GEMV_MAX_AHEAD = 4
+
+
+def gemv_ahead(cfg: KernelConfig) -> int:
+    """K steps of weights a GEMV program keeps in flight: the stage's num_stages on the gemv path (whose
+    loops have no dot for the compiler to pipeline), at most GEMV_MAX_AHEAD."""
+    return min(cfg.num_stages, GEMV_MAX_AHEAD)
 
 
 def word_order(hidden: torch.Tensor, block_k: int) -> tuple[torch.Tensor, Launch]:
@@ -105,7 +114,8 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
 def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 expert_map: torch.Tensor | None, activation: ActivationSpec, cfg: KernelConfig,
                 decode: str, out_block_k: int) -> tuple[torch.Tensor, Launch]:
-    """`hidden` in word order of cfg.block_k tiles; inter comes out in word order of out_block_k."""
+    """`hidden` as the layer gives it (row-major, any float dtype); inter comes out in word order of
+    out_block_k."""
     num_pairs = topk_ids.numel()
     topk = topk_ids.shape[1]
     inter_size = experts.intermediate_size
@@ -118,6 +128,7 @@ def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Te
                 TOPK=topk, HAS_MAP=expert_map is not None,
                 num_ids=experts.num_experts if expert_map is None else expert_map.numel(),
                 num_local=experts.num_experts,
-                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k, PDL=False)
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OUT_BLOCK_K=out_block_k,
+                AHEAD=gemv_ahead(cfg), PDL=False)
     grid = (num_pairs, cdiv(inter_size, cfg.block_n))
     return inter, Launch(stage1_gemv_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.gemv")

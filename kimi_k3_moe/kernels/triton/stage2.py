@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from kimi_k3_moe.kernels.triton.table import KernelConfig
-from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage2_gemv_kernel
-from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_kernel
 from kimi_k3_moe.kernels.common.alignment import AlignedPairs
-from kimi_k3_moe.kernels.triton.korder import stage2_args
 from kimi_k3_moe.kernels.common.launch import Launch, cdiv, next_pow2
 from kimi_k3_moe.kernels.common.topk_sum import topk_reduce
+from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage2_gemv_kernel
+from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage2_aligned_kernel
+from kimi_k3_moe.kernels.triton.korder import stage2_args
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.kernels.triton.stage1 import row_tile_args, weight_args
+from kimi_k3_moe.kernels.triton.stage1 import gemv_ahead, row_tile_args, weight_args
+from kimi_k3_moe.kernels.triton.table import KernelConfig
 
 
 def stage2_aligned(experts: TritonExperts, inter: torch.Tensor, pairs: AlignedPairs,
@@ -64,5 +64,5 @@ def stage2_gemv(experts: TritonExperts, inter: torch.Tensor, topk_ids: torch.Ten
         TOPK=topk_ids.shape[1], SLOTS=next_pow2(topk_ids.shape[1]), HAS_MAP=expert_map is not None,
         num_ids=experts.num_experts if expert_map is None else expert_map.numel(),
         num_local=experts.num_experts,
-        BLOCK_N=cfg.block_n, BLOCK_K=block_k, PDL=False),
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, AHEAD=gemv_ahead(cfg), PDL=False),
         cfg.num_warps, cfg.num_stages, "stage2.gemv")]

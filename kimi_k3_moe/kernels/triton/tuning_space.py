@@ -19,11 +19,13 @@ ACT = ActivationSpec.situv2(4.0, 25.0)
 GEMV_MAX_TOKENS = 16
 
 # (block_n, block_k, num_warps, num_stages[, order[, n_tiles]]), order a KOrder (INTERLEAVE when absent),
-# PAIRS: one dot per K step on the pair order; STACKED: the same on one stacked gate/up tile (the H200's winners at 16-256 tokens;
-# block_k 256 is faster still under Triton 3.6, the H200 table's; it spills under 3.9). The GEMV path does its own
-# one-step prefetch, so its loads are not pipelined by the compiler (num_stages 1).
-GEMV_S1 = [(16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1), (8, 512, 4, 1)]
-GEMV_S2 = [(16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1), (8, 128, 4, 1)]
+# PAIRS: one dot per K step on the pair order; STACKED: the same on one stacked gate/up tile (the H200's winners
+# at 16-256 tokens;
+# block_k 256 is faster still under Triton 3.6, the H200 table's; it spills under 3.9). The GEMV path prefetches
+# its weights itself, num_stages K steps ahead (its loops have no dot for the compiler to pipeline); on an H100
+# (Triton 3.8, 1 token) 2-4 steps ahead took stage 2's 64-wide K steps 1.5-2.5 us faster and stage 1 nothing.
+GEMV_S1 = [(8, 512, 4, 1), (4, 512, 4, 1), (16, 512, 4, 1), (16, 256, 4, 1), (32, 256, 4, 1)]
+GEMV_S2 = [(4, 128, 4, 1), (8, 64, 4, 4), (8, 128, 4, 2), (16, 64, 4, 1), (8, 64, 4, 1), (16, 128, 8, 1)]
 # most promising first: the secondary entries try only the first QUICK of each list
 WORDS, INTERLEAVE, PAIRS = KOrder.WORDS, KOrder.INTERLEAVE, KOrder.PAIRS
 STACKED = KOrder.STACKED  # pairs, gate and up rows in one tile (H200 winners at 16-64 tokens MXFP4, 4096+ int4)
