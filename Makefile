@@ -121,7 +121,7 @@ test-sglang: venv-sglang
 # FlyDSL kernels, compile-only (no AMD GPU needed): a venv with flydsl, zig's linker and
 # Triton (the forward's alignment and top-k sum run under its interpreter here), an ld.lld stand-in under .tools/, the CPU emulation and compile checks,
 # then the resource table from what was compiled, written to $(FLYDSL_OUT)/PERF_section.md (ignored):
-# a test run never rewrites a tracked file. `make perf-flydsl-doc` puts it into docs/PERF.md.
+# a test run never rewrites a tracked file. `make perf-flydsl-doc` puts it into docs/FLYDSL_RESOURCES.md.
 FLYDSL_VENV ?= .venv-flydsl
 FLYDSL_SPEC ?= flydsl==0.5.0
 FLYDSL_ROCM ?= .tools/rocm
@@ -142,10 +142,10 @@ test-flydsl: $(FLYDSL_VENV)/.installed $(FLYDSL_ROCM)/llvm/bin/ld.lld
 	$(FLYDSL_VENV)/bin/python benchmarks/flydsl_resources.py --summary $(FLYDSL_OUT)/summary.json \
 		--write $(FLYDSL_OUT)/PERF_section.md
 
-# maintainer command: regenerate docs/PERF.md's FlyDSL resource block from the last test-flydsl run
+# maintainer command: regenerate docs/FLYDSL_RESOURCES.md's block from the last test-flydsl run
 .PHONY: perf-flydsl-doc
 perf-flydsl-doc: $(FLYDSL_VENV)/.installed
-	$(FLYDSL_VENV)/bin/python benchmarks/flydsl_resources.py --summary $(FLYDSL_OUT)/summary.json --write docs/PERF.md
+	$(FLYDSL_VENV)/bin/python benchmarks/flydsl_resources.py --summary $(FLYDSL_OUT)/summary.json --write docs/FLYDSL_RESOURCES.md
 
 # --- vLLM plugin suite: the real vllm wheel in its own venv (~9.4 GB, ~4 min).
 # vLLM picks its torch (2.14, a CUDA build that runs on the CPU); the freeze

@@ -1,4 +1,4 @@
-"""Write the FlyDSL section of docs/PERF.md (or of --write FILE; `make test-flydsl` writes
+"""Write the FlyDSL resource block of docs/FLYDSL_RESOURCES.md (or of --write FILE; `make test-flydsl` writes
 out/flydsl/PERF_section.md): registers, LDS, scratch and occupancy per kernel.
 
 These figures come from the compiled code objects' metadata (compiled on a CPU
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action="store_true", help="compile the CI sweep now")
     parser.add_argument("--rocm", help="ROCm root holding llvm/bin/ld.lld (see toolchain.py)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "flydsl")
-    parser.add_argument("--write", type=Path, default=ROOT / "docs" / "PERF.md")
+    parser.add_argument("--write", type=Path, default=ROOT / "docs" / "FLYDSL_RESOURCES.md")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from kimi_k3_moe.kernels.flydsl.toolchain import flydsl_version, rocm_root

@@ -4,7 +4,7 @@ use, and the occupancy its registers and LDS allow (amd_archs traits).
 
 Pure Python (no flydsl import). The compile report itself (code object metadata, instruction
 counts) is kimi_k3_moe/kernels/flydsl/code_object.py; `compile_summary` adds these figures to the
-reports of a sweep for the CI checks and the resource table in docs/PERF.md.
+reports of a sweep for the CI checks and the resource table in docs/FLYDSL_RESOURCES.md.
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def with_resources(report: dict, cfg) -> dict:
 
 def compile_summary(results, wall_s: float) -> dict:
     """The summary.json of a compile sweep (build.compile_many's results, their reports given
-    `with_resources`): what benchmarks/flydsl_resources.py turns into docs/PERF.md's table."""
+    `with_resources`): what benchmarks/flydsl_resources.py turns into docs/FLYDSL_RESOURCES.md's table."""
     for r in results:
         if r.report is not None:
             r.report = with_resources(r.report, r.config)

@@ -3,7 +3,7 @@ and gfx950's fp8/fp4-activation kernels (scaled MFMA) with their quantization ke
 
 Each configuration compiles in its own process (an instruction the target lacks
 aborts LLVM). Nothing here runs a kernel: there is no AMD GPU on this machine.
-The summary written to $KIMI_K3_MOE_FLYDSL_OUT/summary.json feeds docs/PERF.md
+The summary written to $KIMI_K3_MOE_FLYDSL_OUT/summary.json feeds docs/FLYDSL_RESOURCES.md
 (benchmarks/flydsl_resources.py).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kimi_k3_moe.kernels.flydsl.build import compile_many
 
 CONFIGS = ci_configs()
 IDS = [c.name for c in CONFIGS]
-PERF_DOC = Path(__file__).resolve().parents[2] / "docs" / "PERF.md"
+PERF_DOC = Path(__file__).resolve().parents[2] / "docs" / "FLYDSL_RESOURCES.md"
 # instructions that exist on gfx950 only: on gfx942 LLVM aborts or the assembler refuses them
 GFX950_ONLY = ("v_mfma_f32_16x16x32_bf16", "v_mfma_f32_32x32x16_bf16", "v_mfma_scale", "v_cvt_scalef32",
                "v_cvt_pk_bf16_f32", "buffer_atomic_pk_add_bf16")
@@ -256,4 +256,4 @@ def test_activations_and_beta_pairs_never_share_a_cache_entry(compiled):
 def test_perf_doc_lists_every_compiled_kernel(compiled):
     text = PERF_DOC.read_text()
     missing = [name for name in compiled if name not in text]
-    assert not missing, f"docs/PERF.md lacks {missing}; run benchmarks/flydsl_resources.py"
+    assert not missing, f"docs/FLYDSL_RESOURCES.md lacks {missing}; run benchmarks/flydsl_resources.py"
