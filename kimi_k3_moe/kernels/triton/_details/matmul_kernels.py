@@ -22,7 +22,6 @@ holds ~73 rows, which a 64 + 32 block covers in one decode with 24 % padding whe
 import triton
 import triton.language as tl
 
-from kimi_k3_moe.kernels.common._details.expert_ids import local_expert_at
 from kimi_k3_moe.kernels.common._details.numerics import cast_to, dot_operand
 from kimi_k3_moe.kernels.common._details.pdl import enter
 from kimi_k3_moe.kernels.triton._details import constants as C
@@ -40,6 +39,7 @@ from kimi_k3_moe.kernels.triton._details.decode import (
 )
 from kimi_k3_moe.kernels.triton._details.groups import Expert, Routing, RowTile, TileConfig, WeightCode, WeightTile
 from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
+from kimi_k3_moe.kernels.triton._details.row_blocks import row_block
 
 # ORDER / OUT_ORDER (kernels/triton/korder.py): the K step helpers below take words, interleave, or any
 # other order as pairs (stacked and plain-inter are pair order with another tile or load)
@@ -48,8 +48,6 @@ ORDER_INTERLEAVE = tl.constexpr(C.ORDER_INTERLEAVE)
 ORDER_PAIRS = tl.constexpr(C.ORDER_PAIRS)
 ORDER_STACKED = tl.constexpr(C.ORDER_STACKED)
 ORDER_PLAIN_INTER = tl.constexpr(C.ORDER_PLAIN_INTER)
-PATH_ALIGNED = tl.constexpr(C.PATH_ALIGNED)
-PATH_DIRECT_MAP = tl.constexpr(C.PATH_DIRECT_MAP)
 
 
 @triton.jit
@@ -253,48 +251,6 @@ def _gate_up_pair(main, tail, gate, up, hidden: tl.constexpr, cfg):
 
 
 @triton.jit
-def _row_tile(sorted_ptr, start, num_pairs, ROWS: tl.constexpr):
-    """Rows start .. start + ROWS of the aligned order: (their pairs, real-row mask)."""
-    pair = tl.load(sorted_ptr + (start + tl.arange(0, ROWS)))
-    return pair, pair < num_pairs
-
-
-@triton.jit
-def _direct_tile(pid_m, num_pairs, ROWS: tl.constexpr):
-    """Path "direct": block pid_m is pair pid_m in its first row, padding after it."""
-    r = tl.arange(0, ROWS)
-    pair = tl.where(r == 0, pid_m, num_pairs)
-    return pair, pair < num_pairs
-
-
-@triton.jit
-def _row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH: tl.constexpr, BLOCK_M: tl.constexpr,
-               TAIL_M: tl.constexpr):
-    """Row block pid_m of a Routing (_details/groups.py): (whether it holds rows, its expert (int64), the
-    main tile's pairs and real-row mask, the tail tile's (the main ones when TAIL_M is 0)). PATH_DIRECT:
-    block pid_m is pair pid_m (path "direct"), its expert read from topk_ids (routing.block_expert),
-    through the expert map with PATH_DIRECT_MAP; it holds rows when that expert is on this rank."""
-    if PATH != PATH_ALIGNED:
-        tl.static_assert(TAIL_M == 0, "a direct block is one pair")
-        e = local_expert_at(routing.block_expert, routing.map, pid_m, num_ids, num_local, PATH == PATH_DIRECT_MAP)
-        live = e >= 0
-        pair, row_ok = _direct_tile(pid_m, num_pairs, BLOCK_M)
-        pair_t, row_ok_t = pair, row_ok
-    else:
-        # every program's block lies within the buffers (max_blocks of block_m rows), so reading them
-        # for a block past the rows in use is harmless: the caller returns before using them
-        start = pid_m * (BLOCK_M + TAIL_M)
-        live = start < tl.load(routing.num_rows)
-        e = tl.load(routing.block_expert + pid_m)
-        pair, row_ok = _row_tile(routing.sorted, start, num_pairs, BLOCK_M)
-        if TAIL_M > 0:
-            pair_t, row_ok_t = _row_tile(routing.sorted, start + BLOCK_M, num_pairs, TAIL_M)
-        else:
-            pair_t, row_ok_t = pair, row_ok
-    return live, e.to(tl.int64), pair, row_ok, pair_t, row_ok_t
-
-
-@triton.jit
 def _store_inter(acc_g, acc_u, tile, beta, linear_beta, ACT: tl.constexpr, inter_ptr, stride_im, offs_n, dest,
                  inter_size, SWAP_OUT: tl.constexpr):
     """Stage 1's epilogue on one RowTile: the activation of the full K sums, stored at each real
@@ -331,7 +287,8 @@ def stage1_aligned_kernel(
     order of BLOCK_K tiles and eight dots per step. inter goes out as stage 2 reads it
     (korder.stage1_args): OUT_ORDER ORDER_PAIRS in pair order, ORDER_INTERLEAVE plain, else in word
     order of OUT_ORDER-wide tiles (what stage 2's word dots read). Padded rows are not stored.
-    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: common/_details/pdl.py."""
+    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _details/row_blocks.py.
+    PDL: common/_details/pdl.py."""
     enter(PDL)
     TAIL_M: tl.constexpr = BLOCK_ROWS & -BLOCK_ROWS if BLOCK_ROWS & (BLOCK_ROWS - 1) else 0  # module docstring
     BLOCK_M: tl.constexpr = BLOCK_ROWS - TAIL_M
@@ -339,7 +296,7 @@ def stage1_aligned_kernel(
                                    SWAP, ORDER, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
     pid_m, pid_n = _block_and_tile(inter_size, BLOCK_N)
     routing = Routing(sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr)
-    live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH, BLOCK_M,
+    live, e, pair, row_ok, pair_t, row_ok_t = row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH, BLOCK_M,
                                                          TAIL_M)
     if not live:
         return
@@ -463,7 +420,8 @@ def stage2_aligned_kernel(
     ORDER as stage 1's (words, interleave, pairs: one dot per K step on inter in pair order), or
     ORDER_PLAIN_INTER (N_TILES > 1): pair order with inter read in plain order and swapped into pair
     order in registers as it is loaded. Padded rows (never stored by stage 1) are not loaded.
-    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _row_block. PDL: common/_details/pdl.py."""
+    WEIGHTS: _details/constants.py. BLOCK_ROWS: the module docstring. PATH: _details/row_blocks.py.
+    PDL: common/_details/pdl.py."""
     enter(PDL)
     tl.static_assert(ORDER != ORDER_STACKED, "stacked is stage 1's")
     TAIL_M: tl.constexpr = BLOCK_ROWS & -BLOCK_ROWS if BLOCK_ROWS & (BLOCK_ROWS - 1) else 0  # module docstring
@@ -472,7 +430,7 @@ def stage2_aligned_kernel(
                                    SWAP, ORDER, BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
     pid_m, pid_g = _block_and_tile(hidden, BLOCK_N * N_TILES)
     routing = Routing(sorted_ptr, block_expert_ptr, num_rows_ptr, map_ptr)
-    live, e, pair, row_ok, pair_t, row_ok_t = _row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH, BLOCK_M,
+    live, e, pair, row_ok, pair_t, row_ok_t = row_block(pid_m, routing, num_pairs, num_ids, num_local, PATH, BLOCK_M,
                                                          TAIL_M)
     if not live:
         return
