@@ -29,6 +29,7 @@ from kimi_k3_moe.weights.synthetic import make_checkpoint
 
 HELP = "run a tiny synthetic Kimi-K3 MoE layer on this machine's backend against the float64 reference"
 ERROR_BOUND = 1e-2
+MAX_TOKENS = 1 << 16   # the float64 reference holds every row on the CPU: the demo stays a tiny check
 DEMO_MARKER = "KIMI_K3_MOE_DEMO"  # a folder holding it may be overwritten by the next demo
 DEMO_SHAPE = dict(hidden_size=512, routed_expert_hidden_size=256, moe_intermediate_size=128,
                   num_experts=32, num_experts_per_token=4)
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.seed >= 2**63:
         raise ValueError(f"--seed {args.seed} is too large (must be < 2**63)")
+    if max(args.tokens) > MAX_TOKENS:
+        raise ValueError(f"--tokens {max(args.tokens)} is above the demo's limit of {MAX_TOKENS} tokens "
+                         "(it checks a tiny layer against a float64 reference on the CPU)")
     if args.out:
         out = Path(args.out)
         if out.exists() and not out.is_dir():

@@ -204,6 +204,8 @@ def test_demo_refuses_bad_settings_with_the_allowed_values(tmp_path, variable, v
 def test_demo_arguments_are_range_checked_and_debug_shows_the_traceback(tmp_path):
     one_line_error(cli("demo", "--tokens", "-3"), "demo", "argument --tokens: -3 is not a non-negative integer")
     one_line_error(cli("demo", "--seed", "x"), "demo", "argument --seed: 'x' is not an integer")
+    one_line_error(cli("demo", "--tokens", "1", str(2**31 - 1)), "demo",
+                   f"--tokens {2**31 - 1} is above the demo's limit of 65536 tokens")
     (tmp_path / "a-file").write_text("")
     one_line_error(cli("demo", "--out", tmp_path / "a-file"), "demo", "is an existing file, not a folder")
     model = make_checkpoint(tmp_path / "a-model", **SHAPE)
