@@ -292,12 +292,3 @@ def find_converted(
         found.check_source(source)
     return found
 
-
-def __getattr__(name: str):
-    """The writer (`kimi-k3-moe convert`) lives in weights/convert_run.py; its names stay importable
-    from here, loaded on first use (convert_run imports this module)."""
-    if name in ("convert_checkpoint", "verify_sources", "write_layer", "new_record", "write_record",
-                "write_record_as", "tensor_digest"):
-        from kimi_k3_moe.weights import convert_run
-        return getattr(convert_run, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,7 +39,7 @@ def model(tmp_path, seed):
 
 def convert(model, **kw):
     kw.setdefault("target", "gfx942")
-    return conv.convert_checkpoint(model, model / conv.CONVERTED_DIRNAME, progress=False,
+    return convert_run.convert_checkpoint(model, model / conv.CONVERTED_DIRNAME, progress=False,
                                    log=lambda _: None, **kw)
 
 
@@ -85,7 +85,7 @@ def test_stale_source_is_refused_saying_why(model, seed):
     with pytest.raises(conv.ConvertedCheckpointError, match="is stale: the weight files in .* changed"):
         conv.find_converted(model, tp_size=2, tp_rank=0, env={})
     found = conv.find_converted(model, tp_size=2, tp_rank=0, check_source=False, env={})
-    assert conv.verify_sources(found, model, progress=False) == sorted(found.record["files"])
+    assert convert_run.verify_sources(found, model, progress=False) == sorted(found.record["files"])
 
 
 def test_mismatched_settings_are_refused_saying_why(model):
@@ -128,13 +128,13 @@ def test_where_plugins_look(model, tmp_path):
     with pytest.raises(conv.ConvertedCheckpointError, match="KIMI_K3_MOE_CONVERTED=.* does not exist"):
         conv.find_converted(model, tp_size=1, tp_rank=0, env={conv.ENV_CONVERTED: str(tmp_path / "nope")})
     elsewhere = tmp_path / "elsewhere"
-    conv.convert_checkpoint(model, elsewhere, target="gfx942", progress=False, log=lambda _: None)
+    convert_run.convert_checkpoint(model, elsewhere, target="gfx942", progress=False, log=lambda _: None)
     found = conv.find_converted(model, tp_size=1, tp_rank=0, env={conv.ENV_CONVERTED: str(elsewhere)})
     assert found.path == elsewhere
     with pytest.raises(conv.ConvertedCheckpointError, match="only .*gfx942.* run int4"):
-        conv.convert_checkpoint(model, elsewhere, target="gfx950", progress=False)
+        convert_run.convert_checkpoint(model, elsewhere, target="gfx950", progress=False)
     with pytest.raises(conv.ConvertedCheckpointError, match="is the model folder itself"):
-        conv.convert_checkpoint(model, model, target="gfx942", progress=False)
+        convert_run.convert_checkpoint(model, model, target="gfx942", progress=False)
 
 
 def test_interrupted_conversion_is_refused_then_resumed(model, monkeypatch):
@@ -154,7 +154,7 @@ def test_interrupted_conversion_is_refused_then_resumed(model, monkeypatch):
         conv.find_converted(model, tp_size=2, tp_rank=0, env={})
     monkeypatch.setattr(convert_run, "requantize_experts", real)
     logged = []
-    conv.convert_checkpoint(model, model / conv.CONVERTED_DIRNAME, target="gfx942", tp_size=2,
+    convert_run.convert_checkpoint(model, model / conv.CONVERTED_DIRNAME, target="gfx942", tp_size=2,
                             progress=False, log=logged.append)
     assert logged == ["resuming: 2 file(s) already converted"]
     found = conv.find_converted(model, tp_size=2, tp_rank=1, env={})

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kimi_k3_moe import cli
+from kimi_k3_moe.weights import convert_run, manifest
 from kimi_k3_moe.weights import converted as conv
-from kimi_k3_moe.weights import manifest
 from kimi_k3_moe.weights.synthetic import make_checkpoint
 
 SHAPE = dict(num_layers=3, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64,
@@ -30,7 +30,7 @@ def pristine(tmp_path_factory, module_gen):
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=module_gen))
         model = make_checkpoint(tmp_path_factory.mktemp("model") / "m", seed=seed, **SHAPE)
         out = tmp_path_factory.mktemp("converted") / "int4"
-        conv.convert_checkpoint(model, out, target="gfx942", tp_size=TP, progress=False, log=lambda _: None)
+        convert_run.convert_checkpoint(model, out, target="gfx942", tp_size=TP, progress=False, log=lambda _: None)
         yield model, out
 
 
@@ -201,7 +201,7 @@ def test_convert_again_redoes_a_damaged_folder_instead_of_nothing_to_do(copy):
     victim = layer_files(out)[1]
     victim.unlink()
     said = []
-    conv.convert_checkpoint(model, out, target="gfx942", tp_size=TP, progress=False, log=said.append)
+    convert_run.convert_checkpoint(model, out, target="gfx942", tp_size=TP, progress=False, log=said.append)
     assert any(f"{victim} is listed in" in line and "converting again" in line for line in said), said
     rc = cli.main(["convert", "--model", str(model), "--out", str(out), "--target", "gfx942",
                    "--tp", str(TP), "--verify", "--no-progress"])

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
+from kimi_k3_moe.weights import convert_run, source
 from kimi_k3_moe.weights import converted as conv
-from kimi_k3_moe.weights import source
 from kimi_k3_moe.weights.synthetic import make_checkpoint
 
 SHAPE = dict(num_layers=3, hidden_size=128, routed_expert_hidden_size=64, moe_intermediate_size=64,
@@ -18,7 +18,7 @@ def model(tmp_path, seed):
 
 
 def convert(model, logged=None, **kw):
-    return conv.convert_checkpoint(model, model / conv.CONVERTED_DIRNAME, target="gfx942", progress=False,
+    return convert_run.convert_checkpoint(model, model / conv.CONVERTED_DIRNAME, target="gfx942", progress=False,
                                    log=(logged.append if logged is not None else lambda _: None), **kw)
 
 
@@ -58,7 +58,7 @@ def test_convert_redoes_a_stale_conversion(model):
     convert(model, logged)
     assert logged[0].endswith("holds a conversion of an older state of the source: converting again")
     found = conv.find_converted(model, tp_size=1, tp_rank=0, env={})
-    assert conv.verify_sources(found, model, progress=False) == []
+    assert convert_run.verify_sources(found, model, progress=False) == []
     logged.clear()
     convert(model, logged)
     assert logged[0].endswith("nothing to do")

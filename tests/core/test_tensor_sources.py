@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kimi_k3_moe.configs import K3MoEConfig
-from kimi_k3_moe.weights import CheckpointError, CheckpointReader, read_layer_experts
+from kimi_k3_moe.weights import CheckpointError, CheckpointReader, convert_run, read_layer_experts
 from kimi_k3_moe.weights import converted as conv
 from kimi_k3_moe.weights.check import check_weights
 from kimi_k3_moe.weights.checkpoint import INDEX_FILE, expert_tensor_name
@@ -27,7 +27,7 @@ def doctor(path):
 
 
 def convert(path, tmp_path):
-    return conv.convert_checkpoint(path, tmp_path / "out", target="gfx942", progress=False, log=lambda _: None)
+    return convert_run.convert_checkpoint(path, tmp_path / "out", target="gfx942", progress=False, log=lambda _: None)
 
 
 def write_stray_copy(folder, gen):

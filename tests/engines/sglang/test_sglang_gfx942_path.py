@@ -64,7 +64,8 @@ def test_preconverted_int4_checkpoint_is_used(k3_checkpoint, sglang_plugins_load
     import shutil
 
     from kimi_k3_moe.weights import requant
-    from kimi_k3_moe.weights.converted import CONVERTED_DIRNAME, convert_checkpoint
+    from kimi_k3_moe.weights.convert_run import convert_checkpoint
+    from kimi_k3_moe.weights.converted import CONVERTED_DIRNAME
 
     path = tmp_path / "model"
     shutil.copytree(k3_checkpoint, path)  # the session checkpoint stays without a converted folder

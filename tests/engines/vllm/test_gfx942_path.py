@@ -59,7 +59,8 @@ def test_preconverted_int4_checkpoint_is_used(single_rank, on_gfx942, tmp_path, 
     import vllm_k3 as k3
 
     from kimi_k3_moe.weights import requant
-    from kimi_k3_moe.weights.converted import CONVERTED_DIRNAME, convert_checkpoint
+    from kimi_k3_moe.weights.convert_run import convert_checkpoint
+    from kimi_k3_moe.weights.converted import CONVERTED_DIRNAME
 
     checkpoint = k3.write_checkpoint(tmp_path / "model", seed)
     found = convert_checkpoint(checkpoint, checkpoint / CONVERTED_DIRNAME, target="gfx942", tp_size=1,
