@@ -17,7 +17,9 @@ SGLang's side of the contract (0.5.23, `FusedMoEMethodBase`):
   elsewhere, which the core skips.
 - `apply(layer, dispatch_output)` (called with keywords) returns
   `StandardCombineInput` holding this rank's partial sum; K3 reduces it across
-  TP in latent space itself.
+  TP in latent space itself. Under `--moe-a2a-backend deepep` (normal mode) or
+  `mori` it takes their dispatch outputs and returns their combine inputs
+  (`_sglang_a2a.py`, which also says how the layer is made to call `apply`).
 
 The betas come from `moe_runner_config.gemm1_alpha` (beta) and
 `gemm1_clamp_limit` (linear beta) and are compared with the model's HF config
@@ -38,6 +40,11 @@ from kimi_k3_moe.formats import mxfp4
 from kimi_k3_moe.loading import SelfCheckCache
 from kimi_k3_moe.platform import detect_platform
 from kimi_k3_moe.plugin_entrypoints import common
+from kimi_k3_moe.plugin_entrypoints._sglang_a2a import (
+    refuse_unserved_a2a,
+    route_dispatch_through_apply,
+    run_dispatched,
+)
 from kimi_k3_moe.plugin_entrypoints.common import engine_activation, verify_against_hf
 from kimi_k3_moe.routed_experts import RoutedExperts
 
@@ -60,7 +67,7 @@ class UnsupportedSGLangSetup(RuntimeError):
 
 def refuse_unsupported_setup(quant_config: Any, layer: Any, prefix: str) -> None:
     """Raise for SGLang set-ups where our `apply` would be bypassed or fed another layout."""
-    from sglang.srt.layers.moe.utils import get_moe_a2a_backend, get_moe_runner_backend
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
     from sglang.srt.runtime_context import get_exec
 
     where = f"kimi-k3-moe (SGLang MoE layer {prefix!r})"
@@ -69,14 +76,7 @@ def refuse_unsupported_setup(quant_config: Any, layer: Any, prefix: str) -> None
             f"{where}: SiTU experts with an MXFP4 config that quantises online "
             "(is_checkpoint_mxfp4_serialized=False); kimi-k3-moe serves MXFP4 checkpoints only. "
             "Disable the plugin (SGLANG_PLUGINS without kimi_k3_moe) to use SGLang's own method.")
-    a2a = get_moe_a2a_backend()
-    if not a2a.is_none():
-        raise UnsupportedSGLangSetup(
-            f"{where}: --moe-a2a-backend {a2a.value} moves tokens with its own all-to-all "
-            "and runs expert kernels that bypass the MoE method's apply(); kimi-k3-moe supports "
-            "--moe-a2a-backend none (TP, EP through SGLang's standard dispatcher, --enable-dp-attention); "
-            "DeepEP high-throughput and MoRI dispatch are served through vLLM (--all2all-backend), or "
-            "disable the plugin (SGLANG_PLUGINS without kimi_k3_moe).")
+    refuse_unserved_a2a(where, UnsupportedSGLangSetup)
     runner = get_moe_runner_backend()
     if runner.value in CONFLICTING_RUNNER_BACKENDS:
         raise UnsupportedSGLangSetup(
@@ -180,6 +180,7 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
                                set_attrs=set_weight_attrs, attrs=extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        route_dispatch_through_apply(layer)
         if self._released:
             return  # already converted; the checkpoint bytes were released (see restore_...)
         experts = common.layer_experts(layer)
@@ -228,9 +229,11 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         if self.routed is None:
             raise RuntimeError(f"kimi-k3-moe (SGLang MoE layer {self.prefix!r}): apply() before "
                                "process_weights_after_loading()")
+        common.refuse_under_capture(self.routed, f"kimi-k3-moe (SGLang MoE layer {self.prefix!r})",
+                                    "launch with --disable-cuda-graph.", UnsupportedSGLangSetup)
         if not DispatchOutputChecker.format_is_standard(dispatch_output):
-            raise UnsupportedSGLangSetup(f"kimi-k3-moe: dispatch format {dispatch_output.format!r} is not "
-                                         "supported (standard dispatcher only)")
+            return run_dispatched(layer, dispatch_output, lambda x, w, ids: self._scaled(layer, self.routed(x, w, ids)),
+                                  UnsupportedSGLangSetup)
         if dispatch_output.hidden_states_scale is not None:
             raise UnsupportedSGLangSetup("kimi-k3-moe: pre-quantised MoE input (hidden_states_scale) "
                                          "is not supported; the kernels take bf16 activations")
@@ -240,10 +243,11 @@ class K3RoutedExpertsMethod(FusedMoEMethodBase):
         if not TopKOutputChecker.format_is_standard(topk_output):
             raise UnsupportedSGLangSetup(f"kimi-k3-moe: top-k output format {topk_output.format!r} is "
                                          "not supported (standard top-k ids and weights only)")
-        common.refuse_under_capture(self.routed, f"kimi-k3-moe (SGLang MoE layer {self.prefix!r})",
-                                    "launch with --disable-cuda-graph.", UnsupportedSGLangSetup)
         out = self.routed(dispatch_output.hidden_states, topk_output.topk_weights, topk_output.topk_ids)
+        return StandardCombineInput(hidden_states=self._scaled(layer, out))
+
+    def _scaled(self, layer: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
         scale = self.moe_runner_config.routed_scaling_factor
         if scale is not None and scale != 1.0 and not layer.should_fuse_routed_scaling_factor_in_topk:
-            out = out * scale
-        return StandardCombineInput(hidden_states=out)
+            return out * scale
+        return out

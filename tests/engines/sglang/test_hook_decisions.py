@@ -56,7 +56,6 @@ def test_online_mxfp4_quantisation_of_a_situ_layer_is_refused(k3_checkpoint, sgl
 @pytest.mark.parametrize("flag,value,says", [
     ("a2a_backend", "deepep", "--moe-a2a-backend deepep"),
     ("a2a_backend", "mooncake", "--moe-a2a-backend mooncake"),
-    ("a2a_backend", "mori", "--moe-a2a-backend mori"),
     ("a2a_backend", "deepep_v2", "--moe-a2a-backend deepep_v2"),
     ("runner_backend", "flashinfer_mxfp4", "--moe-runner-backend flashinfer_mxfp4"),
     ("runner_backend", "flashinfer_trtllm", "--moe-runner-backend flashinfer_trtllm"),

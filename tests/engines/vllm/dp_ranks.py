@@ -58,12 +58,12 @@ def gloo_collectives() -> None:
     CpuCommunicator.reduce_scatterv = reduce_scatterv
 
 
-def dp_config(checkpoint: Path, rank: int, ep: bool):
+def dp_config(checkpoint: Path, rank: int, ep: bool, tp: int = 1):
     from vllm.config import CacheConfig, ModelConfig, ParallelConfig, VllmConfig
 
     model = ModelConfig(model=str(checkpoint), dtype="bfloat16", max_model_len=512, enforce_eager=True,
                         skip_tokenizer_init=True, limit_mm_per_prompt={"image": 0})
-    parallel = ParallelConfig(tensor_parallel_size=1, data_parallel_size=DP, data_parallel_rank=rank,
+    parallel = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=DP, data_parallel_rank=rank,
                               enable_expert_parallel=ep)
     return VllmConfig(model_config=model, cache_config=CacheConfig(enable_prefix_caching=False),
                       parallel_config=parallel)
@@ -83,31 +83,34 @@ def env(**values):
                 os.environ[k] = v
 
 
-def dp_forward(block, config, x: torch.Tensor) -> torch.Tensor:
+def dp_forward(block, config, x: torch.Tensor, sizes=SIZES) -> torch.Tensor:
+    """The block under the forward context of a DP rank with `sizes` tokens per DP rank (its own: x's,
+    or under sequence parallelism the whole DP rank's, of which x is this TP rank's slice)."""
     from vllm.forward_context import set_forward_context
 
-    across = torch.tensor(SIZES, dtype=torch.int32)
-    with torch.no_grad(), set_forward_context(None, config, num_tokens=x.shape[0], num_tokens_across_dp=across):
+    across = torch.tensor(sizes, dtype=torch.int32)
+    mine = int(across[config.parallel_config.data_parallel_rank])
+    with torch.no_grad(), set_forward_context(None, config, num_tokens=mine, num_tokens_across_dp=across):
         return block(x)
 
 
-def init_dp(config, rank: int, port: int) -> None:
+def init_dp(config, rank: int, port: int, tp: int = 1, tp_rank: int = 0) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    # As a DP engine's worker: world size and rank within this DP rank (TP x PP = 1); vLLM widens them
-    # to DP x TP and meets the other rank at the DP master port, here one both ranks were given.
+    # As a DP engine's worker: world size and rank within this DP rank (TP x PP); vLLM widens them
+    # to DP x TP and meets the other ranks at the DP master port, here one all ranks were given.
     config.parallel_config.data_parallel_master_ip = "127.0.0.1"
     config.parallel_config._data_parallel_master_port_list = [port]
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=rank,
+        init_distributed_environment(world_size=tp, rank=tp_rank, local_rank=rank * tp + tp_rank,
                                      distributed_init_method="tcp://127.0.0.1:0", backend="gloo")
-        initialize_model_parallel(tensor_model_parallel_size=1)
+        initialize_model_parallel(tensor_model_parallel_size=tp)
 
 
-def served_block(config, checkpoint: Path):
+def served_block(config, checkpoint: Path, use_sequence_parallel: bool = False):
     """(block, recorder of what vLLM's runner handed our method's apply)."""
-    block = k3.build_block(config)
+    block = k3.build_block(config, use_sequence_parallel=use_sequence_parallel)
     k3.load_block(block, config, checkpoint)
     k3.process_after_loading(block, config)
     return block, k3.ApplyRecorder(k3.routed_layer(block).quant_method)
@@ -162,6 +165,36 @@ def dp_rank_worker(rank: int, port: int, checkpoint: str, out_dir: str, seed: in
         finally:
             _vllm_method.refuse_latent_tail_under_dp = refuse
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+
+
+# DP 2 x TP 2 + EP: K3's decoder layer hands each TP rank its sequence-parallel slice of its DP
+# rank's tokens (sizes divisible by TP here, so no slice is padded); the MoE's EP group spans all four.
+TP = 2
+SIZES_TP = (8, 4)
+
+
+def dp_tp_rank_worker(rank: int, port: int, checkpoint: str, out_dir: str, seed: int) -> None:
+    """Global rank `rank` = DP rank * TP + TP rank; writes rank<r>.pt (its slice, output, ids) or rank<r>.err."""
+    try:
+        import vllm.plugins
+
+        vllm.plugins.load_general_plugins()
+        gloo_collectives()
+        dp_rank, tp_rank = divmod(rank, TP)
+        path = Path(checkpoint)
+        config = dp_config(path, dp_rank, ep=True, tp=TP)
+        init_dp(config, dp_rank, port, tp=TP, tp_rank=tp_rank)
+        tokens = torch.randn(SIZES_TP[dp_rank], k3.HIDDEN,
+                             generator=torch.Generator().manual_seed(seed + 101 * dp_rank)).to(torch.bfloat16)
+        x = tokens.chunk(TP)[tp_rank]
+        with env(**TIER2):
+            block, recorder = served_block(config, path, use_sequence_parallel=True)
+            out = dp_forward(block, config, x, SIZES_TP)
+        torch.save(dict(x=x, out=out, ids=recorder.calls[0]["topk_ids"], **kernel_facts(block)),
+                   Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         (Path(out_dir) / f"rank{rank}.err").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise

@@ -96,8 +96,11 @@ PREFIX = f"language_model.model.layers.{LAYER}.block_sparse_moe"
 VARIANTS = ("nvidia", "amd")
 
 
-def build_block(vllm_config, text_config=None, variant: str = "nvidia"):
-    """K3's MoE block for `vllm_config`'s model (or `text_config`, to build a mismatching layer)."""
+def build_block(vllm_config, text_config=None, variant: str = "nvidia", use_sequence_parallel: bool = False):
+    """K3's MoE block for `vllm_config`'s model (or `text_config`, to build a mismatching layer).
+
+    `use_sequence_parallel`: what K3's decoder layer passes under DP x TP with EP (each TP rank's MoE
+    input is its slice of the DP rank's tokens)."""
     from vllm.config import set_current_vllm_config
 
     config = text_config if text_config is not None else vllm_config.model_config.hf_text_config
@@ -109,7 +112,8 @@ def build_block(vllm_config, text_config=None, variant: str = "nvidia"):
             return KimiMoE(config, quant_config=quant_config, prefix=PREFIX, layer_idx=LAYER)
         from vllm.models.kimi_k3.nvidia.model import KimiMoE
 
-        return KimiMoE(config, vllm_config, quant_config=quant_config, prefix=PREFIX, layer_idx=LAYER)
+        return KimiMoE(config, vllm_config, quant_config=quant_config, prefix=PREFIX, layer_idx=LAYER,
+                       use_sequence_parallel=use_sequence_parallel)
 
 
 class Holder(torch.nn.Module):
