@@ -172,7 +172,8 @@ def test_double_buffered_k_loops_load_the_next_block_before_this_blocks_mfmas(co
     assert artifacts.k_loop_loads_after_first_mfma(text) == 0
     assert artifacts.k_loop_self_waits(text) == []
     assert artifacts.k_loop_barriers(text) == 1
-    assert compiled[cfg.name].report["metadata"]["lds_bytes"] >= 2 * cfg.BM * layout.lds_row_bytes(cfg.tile.kb_unroll)
+    lds = compiled[cfg.name].report["metadata"]["group_segment_fixed_size"]
+    assert lds >= 2 * cfg.BM * layout.lds_row_bytes(cfg.tile.kb_unroll)
     late = ".LBB0_1:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \
            " v_mfma_f32_16x16x32_bf16 v[8:11], v[12:15], v[12:15], v[8:11]\n" \
            " buffer_load_dwordx4 v[4:7], v4, s[4:7], 0 offen\n s_barrier\n s_cbranch_scc1 .LBB0_1\n"

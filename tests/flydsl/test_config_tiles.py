@@ -246,6 +246,8 @@ def test_tables_written_before_the_schedule_are_read_as_the_same_tiles():
         for row in legacy[arch]:
             for stage in ("stage1", "stage2"):
                 tile = row[stage]
+                if KLoop(tile["schedule"]).double_buffered:   # newer than the flags: no legacy spelling
+                    continue
                 schedule = KLoop(tile.pop("schedule"))
                 tile["a_lds"] = schedule.staged
                 if schedule.prefetch or schedule.load_first:

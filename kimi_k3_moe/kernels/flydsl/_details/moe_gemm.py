@@ -167,7 +167,9 @@ def build(cfg: FlyKernelConfig):
         it-1, which ended with the previous barrier). The tile's loads are the oldest in flight, so
         the wait before its store leaves the weights' loads outstanding."""
         nxt = load_iteration(ops, it + 1, g)
+        rocdl.sched_barrier(0)   # LLVM's scheduler keeps the loads above the MFMAs and the store below
         accs = compute_blocks(ops, accs, carried, tile_buffer(ops, it), g, r)
+        rocdl.sched_barrier(0)
         WG.store_tile(cfg, tile_buffer(ops, it + 1), ops.plan, nxt[:tile_len])
         return accs, nxt[tile_len:]
 
