@@ -3,14 +3,14 @@
 Zeroed once here and left zero by each (pair, tile)'s last program, so no launch clears them.
 One buffer per device, kept for the process (a captured graph holds its address) and shared by
 the forwards on that device, which run one after another, as the alignment's counters are
-(kernels/common/alignment.counters). Its size bounds the pairs x N tiles a split stage 1 takes:
-16 tokens x top-8 x 192 N tiles (EP16's I 3072 in 16-column tiles) use 24576.
+(kernels/common/alignment.counters). Its size (4 MB) bounds the pairs x N tiles a split stage 1
+takes: at EP16 (I 3072 in 32-column tiles, top-16) 682 tokens, far past the 1-16 it is for.
 """
 from __future__ import annotations
 
 import torch
 
-CAPACITY = 1 << 16
+CAPACITY = 1 << 20
 _TICKETS: dict[str, torch.Tensor] = {}
 
 
