@@ -26,9 +26,9 @@ from kimi_k3_moe.kernels.base import BackendUnavailable, MoEBackend
 from kimi_k3_moe.kernels.common import alignment
 from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
 from kimi_k3_moe.kernels.triton import table as triton_table
-from kimi_k3_moe.kernels.triton.tickets import tickets
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.table import Lookup, MoEConfig
+from kimi_k3_moe.kernels.triton.tickets import tickets
 from kimi_k3_moe.platform import PDL_MIN_SM, TRITON_MIN_SM, detect_platform, for_arch, is_rocm, sm_version
 from kimi_k3_moe.reference import check_routing
 

@@ -6,8 +6,8 @@ import torch
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.common.alignment import align_launches, direct_pairs
 from kimi_k3_moe.kernels.common.launch import Launch, chain_dependents
-from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.korder import stage1_args
+from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, stage1_split, word_order
 from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k, stage2_aligned, stage2_gemv
 from kimi_k3_moe.kernels.triton.table import KOrder, MoEConfig
