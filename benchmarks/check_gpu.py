@@ -53,11 +53,23 @@ from kimi_k3_moe.formats.bf16 import round_once  # noqa: E402
 from kimi_k3_moe.formats.int4 import Int4Weights  # noqa: E402
 from kimi_k3_moe.kernels import get_backend  # noqa: E402
 from kimi_k3_moe.kernels.triton.probe import decode_rows  # noqa: E402
-from kimi_k3_moe.kernels.triton.table import KOrder, heuristic_config  # noqa: E402
+from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig, heuristic_config  # noqa: E402
 from kimi_k3_moe.reference import dense_moe, relative_l2  # noqa: E402
 from kimi_k3_moe.weights.requant import requantize_experts  # noqa: E402
 
 TOLERANCE = 1e-2
+# the tensor-core stage 1 over K parts (path split; direct with k_split), checked whatever the table picks
+SPLIT_STAGE1 = KernelConfig(32, 256, 4, 3, order=KOrder.STACKED, k_split=7)
+
+
+def split_configs(h, i, is_cuda):
+    """(label, MoEConfig) of the split stage 1 on both stage 2s (gemv's, the direct path's)."""
+    gemv = heuristic_config(h, i, 1, is_cuda=is_cuda)
+    k_split = 7 if h % (7 * 256) == 0 else 1
+    s1 = replace(SPLIT_STAGE1, k_split=k_split, block_k=256 if k_split > 1 else 128)
+    direct = MoEConfig("direct", 16, s1, KernelConfig(64, 128 if i % 128 == 0 else 64, 4, 3, order=KOrder.PAIRS),
+                       gemv.decode, pdl=is_cuda)
+    return [("split", replace(gemv, path="split", stage1=s1, pdl=is_cuda)), ("direct-split", direct)]
 MIN_ACT_DIFFERENCE = 5e-2  # SiLU vs SiTUv2 outputs must differ by more than this (relative L2)
 SILU = ActivationSpec.silu()
 SITU = ActivationSpec.situv2(4.0, 25.0)
@@ -231,6 +243,7 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
                                                            block_m=16)}))
         if t <= 16:
             out.append(("gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}))
+            out.extend((label, {"config": cfg}) for label, cfg in split_configs(h, i, dev == "cuda"))
         if t in (16, 257):
             base = heuristic_config(h, i, t, is_cuda=dev == "cuda")
             if base.path == "aligned" and base.stage1.block_k >= 128 and base.stage2.block_k >= 128:
@@ -278,7 +291,7 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
                                    weight_format=weight_format, act=act.name, variant=label, rel_l2=err, finite=finite,
                                    config=config)
                         outs[(act.name, label)] = out
-                        if label == "default":
+                        if label in ("default", "split", "direct-split"):
                             again = run_once(be, prepared[weight_format], hidden, weights, ids, act, ep_map)
                             chk.record(torch.equal(again, out), check="repeatable", tokens=t, routing=routing,
                                        weight_format=weight_format, act=act.name)
@@ -299,7 +312,9 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
     emap[1::2] = -1
     for t, label, opts in ((3, "default", {}), (16, "default", {}), (64, "default", {}),
                            (3, "aligned", {"config": heuristic_config(h, i, 64, is_cuda=dev == "cuda")}),
-                           (64, "gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")})):
+                           (64, "gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}),
+                           *((t, label, {"config": cfg}) for t in (3, 16)
+                             for label, cfg in split_configs(h, i, dev == "cuda"))):
         hidden = random_hidden(t, h, dev, gen)
         weights, ids = random_routing(t, e, topk, dev, gen)
         be = get_backend("triton", **opts)
@@ -324,7 +339,8 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
     p = prepared["int4+offsets"]
     cache = dequantized_cache(backends["int4"], p, torch.float32)
     for t, label, opts in ((3, "gemv", {"config": heuristic_config(h, i, 1, is_cuda=dev == "cuda")}),
-                           (64, "default", {})):
+                           (64, "default", {}),
+                           *((3, label, {"config": cfg}) for label, cfg in split_configs(h, i, dev == "cuda"))):
         hidden = random_hidden(t, h, dev, gen)
         weights, ids = random_routing(t, e, topk, dev, gen)
         be = get_backend("triton", weight_format="int4", **opts)
@@ -335,10 +351,12 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
     del cache
 
     # CUDA graph capture and replay give the eager result (1-16 tokens: programmatic dependent launch).
-    for t in ((1, 3, 16, 257) if dev == "cuda" else ()):
+    graph_runs = [(t, "default", backends["mxfp4"]) for t in (1, 3, 16, 257)]
+    graph_runs += [(t, label, get_backend("triton", config=cfg)) for t in (1, 16)
+                   for label, cfg in split_configs(h, i, True)]
+    for t, label, be in (graph_runs if dev == "cuda" else ()):
         hidden = random_hidden(t, h, dev, gen)
         weights, ids = random_routing(t, routed, topk, dev, gen, held=held)
-        be = backends["mxfp4"]
         eager = run_once(be, prepared["mxfp4"], hidden, weights, ids, SITU, ep_map)
         out = torch.full_like(hidden, float("nan"))
         graph = torch.cuda.CUDAGraph()
@@ -347,7 +365,7 @@ def bf16_checks(chk, args, dev, gen, e, h, i, topk, tokens, ep_map) -> bool:
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        chk.record(torch.equal(out, eager), check="cuda_graph", tokens=t)
+        chk.record(torch.equal(out, eager), check="cuda_graph", tokens=t, variant=label)
 
     return True
 

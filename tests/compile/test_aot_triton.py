@@ -219,6 +219,25 @@ def test_pdl_kernels_wait_for_their_predecessor_on_sm90_only():
         assert ("griddepcontrol.wait" in code and "griddepcontrol.launch_dependents" in code) == (target == "sm_90")
 
 
+@pytest.mark.parametrize("weight_format,block_n,mma", [("mxfp4", 32, "wgmma"), ("int4", 32, "wgmma"),
+                                                        ("mxfp4", 16, "mma.sync")])
+def test_the_split_stage1_compiles_for_sm90_without_spills(weight_format, block_n, mma):
+    """The split stage 1 (K in 7 parts, EP16's expert map, on both stage 2s) compiles for sm_90 under the
+    running Triton: no spills, its MMA on the tensor cores (a 64-row stacked tile is a wgmma, a 32-row one
+    mma.sync), one atomic (the ticket) and the PDL instructions."""
+    from kimi_k3_moe.kernels.triton.aot import compile_launch, meta_experts, plan_for_shape
+    s1 = tt.KernelConfig(block_n, 256, 4, 3, order=tt.KOrder.STACKED, k_split=7)
+    for cfg in (tt.MoEConfig("split", 16, s1, tt.KernelConfig(8, 128, 4, 2), "ptx", pdl=True),
+                tt.MoEConfig("direct", 16, s1, tt.KernelConfig(64, 128, order=tt.KOrder.PAIRS), "ptx", pdl=True)):
+        launches = plan_for_shape(meta_experts(weight_format, 56, 3584, 3072), 16, 16, ActivationSpec(*SITU), cfg,
+                                  expert_map=True)
+        split = next(lc for lc in launches if lc.label == "stage1.split")
+        report, kernel = compile_launch(split, "sm_90")
+        ptx = kernel.asm["ptx"]
+        assert report.spills == 0 and mma in ptx and ptx.count("atom.") == 1, report.row()
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
 def test_blocks_per_sm_follows_cudas_occupancy_rules():
     from kimi_k3_moe.kernels.triton.aot import blocks_per_sm
     assert blocks_per_sm("sm_90", 255, 8, 194 * 1024) == 1      # registers and shared memory both allow one

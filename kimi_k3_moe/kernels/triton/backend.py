@@ -28,6 +28,7 @@ from kimi_k3_moe.kernels.triton import INTERPRETER_ARCH, SPEC
 from kimi_k3_moe.kernels.triton import table as triton_table
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.table import Lookup, MoEConfig
+from kimi_k3_moe.kernels.triton.tickets import tickets
 from kimi_k3_moe.platform import PDL_MIN_SM, TRITON_MIN_SM, detect_platform, for_arch, is_rocm, sm_version
 from kimi_k3_moe.reference import check_routing
 
@@ -115,6 +116,7 @@ class TritonBackend(MoEBackend):
     def prepare(self, experts) -> TritonExperts:
         prepared = super().prepare(experts)
         alignment.counters(prepared.device, prepared.num_experts)  # at load: never first inside a graph capture
+        tickets(prepared.device)  # likewise the split stage 1's
         return prepared
 
     def lay_out(self, experts) -> TritonExperts:

@@ -6,8 +6,9 @@ import torch
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.kernels.common.alignment import align_launches, direct_pairs
 from kimi_k3_moe.kernels.common.launch import Launch, chain_dependents
+from kimi_k3_moe.kernels.triton.korder import stage1_args
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
-from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, word_order
+from kimi_k3_moe.kernels.triton.stage1 import pair_order, stage1_aligned, stage1_gemv, stage1_split, word_order
 from kimi_k3_moe.kernels.triton.stage2 import gemv_block_k, stage2_aligned, stage2_gemv
 from kimi_k3_moe.kernels.triton.table import KOrder, MoEConfig
 
@@ -24,15 +25,20 @@ def plan_moe(experts: TritonExperts, hidden: torch.Tensor, topk_weights: torch.T
 
 def _launches(experts, hidden, topk_weights, topk_ids, activation, expert_map, out, config) -> list[Launch]:
     s1_cfg, s2_cfg = config.stage1, config.stage2
-    if config.path == "gemv":  # two launches: stage 1 reads hidden as it is, stage 2 inter in word order
+    if config.path in ("gemv", "split"):  # two launches: stage 1 reads hidden as it is, stage 2 inter in word order
         s2_block_k = gemv_block_k(s2_cfg, topk_ids.shape[1], experts.intermediate_size, expert_map)
-        inter, s1 = stage1_gemv(experts, hidden, topk_ids, expert_map, activation, s1_cfg, config.decode,
-                                out_block_k=s2_block_k)  # stage 2 reads inter in that word order
+        stage1 = stage1_gemv if config.path == "gemv" else stage1_split
+        inter, s1 = stage1(experts, hidden, topk_ids, expert_map, activation, s1_cfg, config.decode,
+                           s2_block_k)  # stage 2 reads inter in that word order
         return [s1, *stage2_gemv(experts, inter, topk_ids, topk_weights, expert_map, out,
                                  s2_cfg, config.decode, s2_block_k)]
     bm1, bm2 = config.block_ms
     if config.path == "direct":
         pairs = pairs2 = direct_pairs(topk_ids, expert_map, bm1, experts.num_experts)
+        if s1_cfg.k_split > 1:  # the split stage 1 writes inter as the direct stage 2 reads it
+            inter, s1 = stage1_split(experts, hidden, topk_ids, expert_map, activation, s1_cfg, config.decode,
+                                     stage1_args(s1_cfg, s2_cfg)["OUT_ORDER"])
+            return [s1, *stage2_aligned(experts, inter, pairs2, topk_weights, out, s2_cfg, config.decode)]
         launches = []
     else:  # stage 2 may take row blocks of its own over the same pairs (inter is stored per pair)
         block_ms = (bm1,) if bm2 == bm1 else (bm1, bm2)

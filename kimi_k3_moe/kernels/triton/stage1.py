@@ -14,9 +14,11 @@ from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.gemv_kernels import stage1_gemv_kernel
 from kimi_k3_moe.kernels.triton._details.matmul_kernels import stage1_aligned_kernel
 from kimi_k3_moe.kernels.triton._details.permute_kernels import permute_pairs_kernel, permute_words_kernel
+from kimi_k3_moe.kernels.triton._details.split_kernels import stage1_split_kernel
 from kimi_k3_moe.kernels.triton.korder import stage1_args
 from kimi_k3_moe.kernels.triton.layout import TritonExperts
 from kimi_k3_moe.kernels.triton.table import KernelConfig
+from kimi_k3_moe.kernels.triton.tickets import tickets
 from kimi_k3_moe.kernels.triton.weight_codes import decode_code, weights_code
 
 
@@ -109,6 +111,35 @@ def stage1_aligned(experts: TritonExperts, hidden: torch.Tensor, pairs: AlignedP
     args.update(SWAP=cfg.swap, **stage1_args(cfg, stage2), **row_tile_args(pairs))
     grid = (pairs.max_blocks * cdiv(experts.intermediate_size, cfg.block_n),)
     return inter, Launch(stage1_aligned_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.aligned")
+
+
+def _pair_args(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
+               expert_map: torch.Tensor | None, activation: ActivationSpec, decode: str) -> tuple[torch.Tensor, dict]:
+    """inter ([pairs, I] bf16) and the arguments of the stage-1 kernels with a program per pair."""
+    inter = torch.empty(topk_ids.numel(), experts.intermediate_size, dtype=torch.bfloat16, device=hidden.device)
+    ids = topk_ids.reshape(-1)
+    return inter, dict(x_ptr=hidden, stride_xm=hidden.stride(0), **weight_args(experts, "w13", decode),
+                       inter_ptr=inter, stride_im=inter.stride(0),
+                       ids_ptr=ids, map_ptr=ids if expert_map is None else expert_map,
+                       inter_size=experts.intermediate_size, hidden=experts.hidden_size,
+                       **activation_args(activation), TOPK=topk_ids.shape[1], HAS_MAP=expert_map is not None,
+                       num_ids=experts.num_experts if expert_map is None else expert_map.numel(),
+                       num_local=experts.num_experts, PDL=False)
+
+
+def stage1_split(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                 expert_map: torch.Tensor | None, activation: ActivationSpec, cfg: KernelConfig,
+                 decode: str, out_order: int) -> tuple[torch.Tensor, Launch]:
+    """The tensor-core stage 1 with K in cfg.k_split parts (_details/split_kernels.py); `hidden` as the
+    layer gives it; inter comes out in `out_order` (the kernel's OUT_ORDER: what stage 2 reads)."""
+    inter, args = _pair_args(experts, hidden, topk_ids, expert_map, activation, decode)
+    grid = (topk_ids.numel(), cdiv(experts.intermediate_size, cfg.block_n), cfg.k_split)
+    slots = grid[0] * grid[1]
+    parts = torch.empty(slots * cfg.k_split * 2 * cfg.block_n if cfg.k_split > 1 else 1, dtype=torch.float32,
+                        device=hidden.device)
+    args.update(part_ptr=parts, ticket_ptr=tickets(hidden.device, slots), BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, K_SPLIT=cfg.k_split, OUT_ORDER=out_order)
+    return inter, Launch(stage1_split_kernel, grid, args, cfg.num_warps, cfg.num_stages, "stage1.split")
 
 
 def stage1_gemv(experts: TritonExperts, hidden: torch.Tensor, topk_ids: torch.Tensor,

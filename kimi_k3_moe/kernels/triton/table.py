@@ -34,7 +34,7 @@ from kimi_k3_moe.kernels.triton._details.constants import (
     KOrder,  # its home (with each order's code); imported from here too
 )
 
-PATHS = ("gemv", "aligned", "direct")
+PATHS = ("gemv", "aligned", "direct", "split")
 DECODES = ("ptx", "bits")  # ptx: inline PTX bf16x2 decode (CUDA only); bits: portable Triton code
 # row blocks: a power of two, or a power-of-two main tile plus a smaller power-of-two tail tile
 # (row_tiles); the kernels take both tiles on one decoded weight tile
@@ -89,6 +89,7 @@ class KernelConfig:
     # aligned stage 2: N tiles per program, K unrolled and the tile loop pipelined (its K = I is a few
     # steps only, so per-tile loads would otherwise start from an empty pipeline at every tile)
     n_tiles: int = 1
+    k_split: int = 1  # stage 1 of paths split, direct: K parts per (pair, N tile) (_details/split_kernels.py)
 
     def __post_init__(self):
         if not isinstance(self.order, KOrder):  # "pairs" and KOrder.PAIRS: one config
@@ -107,11 +108,14 @@ class KernelConfig:
             raise ValueError(f"{what}.num_stages = {self.num_stages} must be >= 1")
         if self.n_tiles < 1:
             raise ValueError(f"{what}.n_tiles = {self.n_tiles} must be >= 1")
+        if self.k_split < 1 or k % (self.k_split * self.block_k):
+            raise ValueError(f"{what}.k_split = {self.k_split}: K = {k} must split into whole block_k steps")
         if why := self.order.misfit(self.block_k, self.n_tiles):
             raise ValueError(f"{what}: {why}")
 
     def to_json(self) -> dict:
-        return {**asdict(self), "order": self.order.value}
+        d = {**asdict(self), "order": self.order.value}
+        return d if self.k_split > 1 else {k: v for k, v in d.items() if k != "k_split"}
 
     @classmethod
     def from_json(cls, d: dict, what: str = "stage") -> KernelConfig:
@@ -140,6 +144,7 @@ class MoEConfig:
     path "direct": the aligned path's matmuls with every pair a block of its
     own (block_m 16: one row and padding), so nothing is launched to group the
     pairs; for a few tokens, whose pairs nearly all have an expert to themselves.
+    path "split": a tensor-core stage 1 over K in stage1.k_split parts, gemv's stage 2.
     """
 
     path: str = "aligned"
@@ -175,13 +180,15 @@ class MoEConfig:
         if self.path == "direct" and self.block_m != DIRECT_BLOCK_M:
             raise ValueError(f"block_m {self.block_m}: the direct path's blocks are one pair in "
                              f"{DIRECT_BLOCK_M} rows (the MMA's least)")
-        min_n = 2 if self.path == "gemv" else 16  # tl.dot needs 16; the FMA path does not
-        self.stage1.validate(hidden, "stage1", min_n)
+        min_n = 16 if self.path in ("aligned", "direct") else 2  # tl.dot needs 16; the FMA path does not
+        self.stage1.validate(hidden, "stage1", 8 if self.path == "split" else min_n)  # 2 x 8 stacked rows
         self.stage2.validate(inter, "stage2", min_n)
+        if self.stage2.k_split != 1 or (self.stage1.k_split != 1 and self.path not in ("split", "direct")):
+            raise ValueError("k_split: only stage 1 of paths split and direct splits K")
         for n, stage in ((1, self.stage1), (2, self.stage2)):
             if why := stage.order.misfit(stage.block_k, stage.n_tiles, n):
                 raise ValueError(f"stage{n}: {why}")
-        if self.stage1.n_tiles != 1 or (self.path == "gemv" and self.stage2.n_tiles != 1):
+        if self.stage1.n_tiles != 1 or (self.path in ("gemv", "split") and self.stage2.n_tiles != 1):
             raise ValueError("n_tiles: only the aligned stage 2 takes several N tiles per program")
         return self
 
