@@ -336,7 +336,7 @@ def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params
             row[f"ours_{tag}stages"] = stages
             row[f"ours_{tag}kernels_us"] = kernels_us
             row[f"ours_{tag}all_us"] = kernels_us + glue
-            row[f"ours_{tag}persistent_gain_us"] = kernels_us - sum(x["persistent_us"] for x in stages)
+            row[f"ours_{tag}persistent_gain_us"] = max(0.0, kernels_us - sum(x["persistent_us"] for x in stages))
             if not s1.rows.direct:
                 row[f"{tag or 'uniform_'}routing"] = RoutingModel(routing).summary(t, s1.BM)
         row["skewed_over_uniform"] = row["ours_skewed_all_us"] / row["ours_all_us"]
@@ -383,7 +383,8 @@ def _fmt(row: dict, key: str) -> str:
         return "n/a"
     if key in RATIOS:
         lo, hi = row[key + "_band"]
-        return f"{v:.2f} ({lo:.2f}-{hi:.2f})"
+        digits = 0 if v >= 20 else 2
+        return f"{v:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
     return str(v) if isinstance(v, int) else f"{v:.1f}"
 
 
@@ -398,12 +399,42 @@ COLUMNS = (("tokens", "tokens"), ("ours_all_us", "ours all"), ("ours_launches", 
 
 
 def print_table(title: str, rows: list[dict]) -> None:
-    """A markdown table, as docs/PERF.md carries it."""
+    """A markdown table, as docs/PERF.md carries it (a column empty in every row left out)."""
+    columns = [(k, h) for k, h in COLUMNS if any(k in r for r in rows)]
     print(f"\n**{title}**\n")
-    print("| " + " | ".join(h for _, h in COLUMNS) + " |")
-    print("|" + "---:|" * len(COLUMNS))
+    print("| " + " | ".join(h for _, h in columns) + " |")
+    print("|" + "---:|" * len(columns))
     for r in rows:
-        print("| " + " | ".join(_fmt(r, k) for k, _ in COLUMNS) + " |")
+        print("| " + " | ".join(_fmt(r, k) for k, _ in columns) + " |")
+
+
+# issue 47's targets (model figures): (table prefix, ratio, bound, token counts)
+TARGETS = (("gfx942 int4 bf16", "ours_all_over_compute_floor", 2.0, (4096, 16384)),
+           ("gfx942 int4 bf16", "ours_all_over_aiter_measured", 0.5, (16384,)),
+           ("gfx950 mxfp4 bf16", "ours_all_over_compute_floor", 2.0, (4096, 16384)),
+           ("gfx950 mxfp4 bf16", "ours_all_over_aiter_measured", 0.6, (4096, 16384)),
+           ("gfx950 mxfp4 fp8", "ours_all_over_aiter_measured", 0.9, (4096, 16384)),
+           ("gfx950 mxfp4 fp4", "ours_all_over_aiter_measured", 0.9, (4096, 16384)),
+           ("", "skewed_over_uniform", 1.25, (4096, 16384)))
+
+
+def print_targets(rows_by_table: dict) -> None:
+    """Each target of the issue with the model's figure (central constants, band in brackets)."""
+    print("\n**Targets (model figures)**\n")
+    print("| table | ratio | target | " + " | ".join(f"{t} tokens" for t in (4096, 16384)) + " |")
+    print("|---|---|---:|---:|---:|")
+    for prefix, key, bound, tokens in TARGETS:
+        for name, rows in rows_by_table.items():
+            if not name.startswith(prefix):
+                continue
+            cells = []
+            for t in (4096, 16384):
+                r = next((r for r in rows if r["tokens"] == t), None)
+                if t not in tokens or r is None or key not in r:
+                    cells.append("")
+                    continue
+                cells.append(f"{_fmt(r, key)} {'met' if r[key] <= bound else 'MISSED'}")
+            print(f"| {name} | {key.replace('_', ' ')} | <= {bound} | " + " | ".join(cells) + " |")
 
 
 def print_skew(rows_by_table: dict) -> None:
@@ -497,6 +528,7 @@ def main(argv=None) -> int:
         print_table(f"{isa_model.DEVICES[arch].name} ({name}), K3 TP8 per rank, us; ours and 'aiter model' are "
                     "MODEL figures, 'aiter measured' is aiter's table", rows)
     print_skew(result["tables"])
+    print_targets(result["tables"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -138,3 +138,12 @@ def test_the_grids_tail_and_what_persistent_work_items_would_save():
     assert detail["persistent_us"] == pytest.approx(1.0 + 300.0 * 2.25 / 3, rel=1e-3)
     hbm_bound = fm._detail(launch, LaunchTime(401.0, 300.0, 400.0, 3, 4, 1.0), device, params)
     assert hbm_bound["persistent_us"] == pytest.approx(401.0)
+
+
+def test_targets_say_met_or_missed_with_the_figure(capsys):
+    row = {"tokens": 4096, "ours_all_over_compute_floor": 2.4, "ours_all_over_compute_floor_band": [2.2, 2.9],
+           "skewed_over_uniform": 1.1, "skewed_over_uniform_band": [1.0, 1.2]}
+    fm.print_targets({"gfx942 int4 bf16-act vs aiter": [row]})
+    out = capsys.readouterr().out
+    assert "| ours all over compute floor | <= 2.0 | 2.40 (2.20-2.90) MISSED |" in out
+    assert "| skewed over uniform | <= 1.25 | 1.10 (1.00-1.20) met |" in out
