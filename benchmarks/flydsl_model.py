@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flydsl_model_data as aiter_rows  # noqa: E402
 import flydsl_model_routing as routes  # noqa: E402
-from flydsl_model_routing import ROUTINGS, UNIFORM, RoutingModel  # noqa: E402
+from flydsl_model_routing import UNIFORM, RoutingModel  # noqa: E402
 
 from k3lab.flydsl import artifacts, isa_model  # noqa: E402
 from k3lab.flydsl.isa_model import Launch, Params  # noqa: E402
@@ -319,7 +319,8 @@ def _ours(arch, act, t, kernels, params: Params, reduce: str, routing: RoutingMo
     return [_detail(x, s, device, params) for x, s in zip(launches, stages, strict=True)], sum(s.us for s in stages)
 
 
-def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params: Params, reduce: str) -> dict:
+def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params: Params, reduce: str,
+              skewed: RoutingModel = routes.SKEWED) -> dict:
     """One token count: ours (model) under uniform and skewed routing, aiter's measured row, aiter through
     the same model where its row names a FlyDSL kernel we compiled (gfx950 bf16 only), the floors, the ratios."""
     device = isa_model.DEVICES[arch]
@@ -330,15 +331,15 @@ def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params
         glue = glue_us(ops, device, params)
         row["ours_glue_ops"] = [name for name, _ in ops]
         row["ours_launches"] = 2 + len(ops)
-        for routing in ROUTINGS:
-            stages, kernels_us = _ours(arch, act, t, kernels, params, reduce, RoutingModel(routing))
-            tag = "" if routing == "uniform" else "skewed_"
+        for routing in (UNIFORM, skewed):
+            stages, kernels_us = _ours(arch, act, t, kernels, params, reduce, routing)
+            tag = "" if routing is UNIFORM else "skewed_"
             row[f"ours_{tag}stages"] = stages
             row[f"ours_{tag}kernels_us"] = kernels_us
             row[f"ours_{tag}all_us"] = kernels_us + glue
             row[f"ours_{tag}persistent_gain_us"] = max(0.0, kernels_us - sum(x["persistent_us"] for x in stages))
             if not s1.rows.direct:
-                row[f"{tag or 'uniform_'}routing"] = RoutingModel(routing).summary(t, s1.BM)
+                row[f"{tag or 'uniform_'}routing"] = routing.summary(t, s1.BM)
         row["skewed_over_uniform"] = row["ours_skewed_all_us"] / row["ours_all_us"]
     entry = measured.get(t)
     if entry is not None:
@@ -346,10 +347,10 @@ def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params
         row["aiter_measured_us"] = total
         specs = peer_pair(*tiles) if tiles else None
         if specs and all(s.key in kernels for s in specs):
-            for routing in ROUTINGS:
-                launches = peer_launches(t, specs, kernels, RoutingModel(routing))
+            for routing in (UNIFORM, skewed):
+                launches = peer_launches(t, specs, kernels, routing)
                 us = sum(isa_model.launch_time(x, device, params).us for x in launches)
-                row["aiter_model_us" if routing == "uniform" else "aiter_model_skewed_us"] = \
+                row["aiter_model_us" if routing is UNIFORM else "aiter_model_skewed_us"] = \
                     us + peer_sort_us(t, device, params)
     row["hbm_floor_us"], row["compute_floor_us"] = hbm_floor_us(arch, t), compute_floor_us(arch, t)
     if "ours_all_us" in row:
@@ -363,11 +364,12 @@ def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params
     return row
 
 
-def comparison(arch, act, measured, tokens, kernels, param_sets: dict, reduce: str) -> list[dict]:
+def comparison(arch, act, measured, tokens, kernels, param_sets: dict, reduce: str,
+               skewed: RoutingModel = routes.SKEWED) -> list[dict]:
     """Rows at the central constants, each ratio with its [low, high] over every constant set."""
     rows = []
     for t in tokens:
-        by_set = {k: model_row(arch, act, measured, t, kernels, p, reduce) for k, p in param_sets.items()}
+        by_set = {k: model_row(arch, act, measured, t, kernels, p, reduce, skewed) for k, p in param_sets.items()}
         row = by_set["central"]
         for key in RATIOS:
             values = [r[key] for r in by_set.values() if key in r]
@@ -469,6 +471,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "out" / "flydsl_model"), help="ISA and JSON folder")
     parser.add_argument("--tokens", default=",".join(map(str, TIERS)), help="comma-separated token counts")
     parser.add_argument("--fresh", action="store_true", help="recompile even where an ISA file exists")
+    parser.add_argument("--skew-seed", type=int, default=routes.SKEW_SEED,
+                        help="seed of the skewed routing's one draw (the tables use the default)")
     parser.add_argument("--reduce", default="auto", choices=("auto", "slots", "fused", "atomic"),
                         help="our top-k sum: the tile table's per-tier choice (auto) or one at every tier")
     args = parser.parse_args(argv)
@@ -518,11 +522,12 @@ def main(argv=None) -> int:
         print(f"aiter kernel not compiled: {key}: {why}")
     result = {"params": asdict(params), "fit": report, "aiter_failed": failed, "glue_launch_us": GLUE_LAUNCH_US,
               "sensitivity_params": {k: asdict(p) for k, p in sets.items()}, "sources": aiter_rows.SOURCES,
-              "skewed_routing": {"sigma": routes.SKEW_SIGMA, "seed": routes.SKEW_SEED,
+              "skewed_routing": {"sigma": routes.SKEW_SIGMA, "seed": args.skew_seed,
                                  "generator": "kimi_k3_moe.bench.data"},
               "tables": {}}
     for arch, act, measured, what in VARIANTS:
-        rows = comparison(arch, act, measured, tokens, kernels, sets, args.reduce)
+        rows = comparison(arch, act, measured, tokens, kernels, sets, args.reduce,
+                          RoutingModel("skewed", seed=args.skew_seed))
         name = f"{arch} {FORMAT[arch]} {act}-act vs aiter {what}"
         result["tables"][name] = rows
         print_table(f"{isa_model.DEVICES[arch].name} ({name}), K3 TP8 per rank, us; ours and 'aiter model' are "

@@ -50,15 +50,16 @@ def skewed_rows(tokens: int, sigma: float = SKEW_SIGMA, seed: int = SKEW_SEED) -
 
 @dataclass(frozen=True)
 class RoutingModel:
-    """`uniform` or `skewed`: the statistics the model's launches need at a token count."""
+    """`uniform` or `skewed` (its draw's seed): the statistics the model's launches need at a token count."""
     name: str
+    seed: int = SKEW_SEED
 
     def __post_init__(self):
         if self.name not in ROUTINGS:
             raise ValueError(f"routing {self.name!r}: expected one of {', '.join(ROUTINGS)}")
 
     def rows(self, tokens: int) -> tuple[int, ...] | None:
-        return skewed_rows(tokens) if self.name == "skewed" else None
+        return skewed_rows(tokens, seed=self.seed) if self.name == "skewed" else None
 
     def blocks(self, tokens: int, bm: int) -> float:
         rows = self.rows(tokens)
