@@ -12,7 +12,7 @@ beside the HBM and compute floors (the compute floor at each arch's dense bf16 M
 traits); every ratio carries its band when L and eta each move +-30 % (the other two constants
 refitted). Every row is modelled under uniform routing and under the bench's `skewed` routing (one
 draw, benchmarks/flydsl_model_routing.py), with each stage's last-round fill (the grid's tail) and
-what persistent work items would save.
+what balancing that tail would save.
 
     python benchmarks/flydsl_model.py [--json [FILE]] [--aiter-src DIR] [--rocm DIR] [--tokens 1,16]
 
@@ -301,15 +301,19 @@ def _slots(launch: Launch, device) -> int:
 
 def _detail(launch: Launch, t, device, params: Params) -> dict:
     """One stage's figures, with the last round's fill (the grid's tail: the share of the GPU's workgroup
-    slots busy in the final round) and what persistent work items would give, every slot busy to the end."""
+    slots busy in the final round) and the stage with its tail balanced: the work of a launch that fills
+    the GPU at least twice spread over every slot to the end (finer work items in the tail, e.g. the
+    hot experts' N or K split further), an upper bound on what scheduling alone saves. Equal work items
+    handed out by persistent workgroups keep the same last round, so they alone save nothing here."""
     slots = _slots(launch, device)
     fill = launch.workgroups / slots - (t.rounds - 1)
-    persistent = params.t0_us + max(t.compute_us * launch.workgroups / (t.rounds * slots), t.memory_us)
+    balanced = t.us if t.rounds < 2 else \
+        params.t0_us + max(t.compute_us * launch.workgroups / (t.rounds * slots), t.memory_us)
     return {"kernel": launch.kernel.name, "us": round(t.us, 1), "compute_us": round(t.compute_us, 1),
             "memory_us": round(t.memory_us, 1), "bound": "hbm" if t.memory_us >= t.compute_us else "issue",
             "critical_us": round(t.critical_us, 1), "rounds": t.rounds, "waves_per_simd": t.waves_per_simd,
             "workgroups": launch.workgroups, "slots": slots, "last_round_fill": round(fill, 3),
-            "persistent_us": round(persistent, 1), "hbm_mb": round(launch.hbm_bytes / 1e6, 2)}
+            "balanced_tail_us": round(balanced, 1), "hbm_mb": round(launch.hbm_bytes / 1e6, 2)}
 
 
 def _ours(arch, act, t, kernels, params: Params, reduce: str, routing: RoutingModel) -> tuple[list[dict], float]:
@@ -337,7 +341,7 @@ def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params
             row[f"ours_{tag}stages"] = stages
             row[f"ours_{tag}kernels_us"] = kernels_us
             row[f"ours_{tag}all_us"] = kernels_us + glue
-            row[f"ours_{tag}persistent_gain_us"] = max(0.0, kernels_us - sum(x["persistent_us"] for x in stages))
+            row[f"ours_{tag}tail_gain_us"] = max(0.0, kernels_us - sum(x["balanced_tail_us"] for x in stages))
             if not s1.rows.direct:
                 row[f"{tag or 'uniform_'}routing"] = routing.summary(t, s1.BM)
         row["skewed_over_uniform"] = row["ours_skewed_all_us"] / row["ours_all_us"]
@@ -442,9 +446,9 @@ def print_targets(rows_by_table: dict) -> None:
 def print_skew(rows_by_table: dict) -> None:
     """Where skewed routing puts the rows, and what the grid's tail costs (both routings, our kernels)."""
     print("\n**Routing and the grid's tail (ours, bf16 activations): stage-1 row blocks at the tier's BM, the "
-          "busiest expert, the last round's fill per stage, what persistent work items would save**\n")
+          "busiest expert, the last round's fill per stage, what balancing the tail would save**\n")
     print("| arch | tokens | BM | blocks uniform / skewed | busiest expert rows (blocks) | top 5 % experts' share "
-          "| last-round fill s1 / s2, uniform | skewed | persistent saves, uniform / skewed us |")
+          "| last-round fill s1 / s2, uniform | skewed | balanced tail saves, uniform / skewed us |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, rows in rows_by_table.items():
         if "bf16-act" not in name:
@@ -456,8 +460,8 @@ def print_skew(rows_by_table: dict) -> None:
             fill = lambda st: " / ".join(f"{x['last_round_fill']:.2f}" for x in st)  # noqa: E731
             print(f"| {name.split()[0]} | {r['tokens']} | {u['BM']} | {u['blocks']:.0f} / {k['blocks']:.0f} "
                   f"| {k['max_rows']} ({k['max_blocks']}) | {k['top5pct_share']:.2f} | {fill(r['ours_stages'])} "
-                  f"| {fill(r['ours_skewed_stages'])} | {r['ours_persistent_gain_us']:.1f} / "
-                  f"{r['ours_skewed_persistent_gain_us']:.1f} |")
+                  f"| {fill(r['ours_skewed_stages'])} | {r['ours_tail_gain_us']:.1f} / "
+                  f"{r['ours_skewed_tail_gain_us']:.1f} |")
 
 
 def main(argv=None) -> int:

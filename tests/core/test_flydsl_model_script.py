@@ -122,9 +122,10 @@ def test_skewed_routing_is_the_benchs_draw():
         fm.RoutingModel("zipf")
 
 
-def test_the_grids_tail_and_what_persistent_work_items_would_save():
-    """A stage whose workgroups fill 2.25 rounds of the GPU: the last round is a quarter full, and
-    persistent work items would spend 2.25 rounds' compute instead of 3 (memory-bound: nothing)."""
+def test_the_grids_tail_and_what_balancing_it_would_save():
+    """A stage whose workgroups fill 2.25 rounds of the GPU: the last round is a quarter full, and its
+    work spread over every slot would spend 2.25 rounds' compute instead of 3 (memory-bound: nothing;
+    a launch within one round: nothing claimed)."""
     from k3lab.flydsl.isa_model import Kernel, LaunchTime, Params
 
     device = fm.isa_model.MI300X
@@ -135,9 +136,11 @@ def test_the_grids_tail_and_what_persistent_work_items_would_save():
     params = Params(t0_us=1.0)
     detail = fm._detail(launch, LaunchTime(301.0, 300.0, 10.0, 3, 4, 1.0), device, params)
     assert detail["last_round_fill"] == pytest.approx(0.25, abs=1e-3)
-    assert detail["persistent_us"] == pytest.approx(1.0 + 300.0 * 2.25 / 3, rel=1e-3)
+    assert detail["balanced_tail_us"] == pytest.approx(1.0 + 300.0 * 2.25 / 3, rel=1e-3)
     hbm_bound = fm._detail(launch, LaunchTime(401.0, 300.0, 400.0, 3, 4, 1.0), device, params)
-    assert hbm_bound["persistent_us"] == pytest.approx(401.0)
+    assert hbm_bound["balanced_tail_us"] == pytest.approx(401.0)
+    small = fm.Launch("s", kernel, slots // 2, 0.0, 1)
+    assert fm._detail(small, LaunchTime(51.0, 50.0, 1.0, 1, 4, 1.0), device, params)["balanced_tail_us"] == 51.0
 
 
 def test_targets_say_met_or_missed_with_the_figure(capsys):
