@@ -107,6 +107,19 @@ def k_loop_loads_after_first_barrier(isa: str) -> int:
     return sum(1 for line in body[first:] if _GLOBAL_LOAD_RE.match(line))
 
 
+def k_loop_loads_after_first_mfma(isa: str) -> int:
+    """Global loads the K loop issues after its first MFMA: 0 when the next block's loads (a
+    double-buffered schedule's tile share and weights) are all in flight before this block's MFMAs."""
+    body = k_loop_body(isa).splitlines()
+    first = next((i for i, line in enumerate(body) if MFMA_RE.search(line)), len(body))
+    return sum(1 for line in body[first:] if _GLOBAL_LOAD_RE.match(line))
+
+
+def k_loop_barriers(isa: str) -> int:
+    """`s_barrier`s in the K loop (a double-buffered staged tile needs one per iteration)."""
+    return sum(1 for line in k_loop_body(isa).splitlines() if re.match(r"^\s*s_barrier\b", line))
+
+
 def occupancy(arch: str, *, vgpr: int, agpr: int, accum_offset: int | None, lds_bytes: int,
               waves_per_workgroup: int) -> dict:
     """Waves per SIMD (at most 8) allowed by registers and by LDS on CDNA3/CDNA4.

@@ -440,11 +440,24 @@ def _workgroup(cfg, bid_m, bid_n, bid_k, act, sid, bufs, out, tw, beta, lin_beta
         accs = [torch.zeros(16, 16) for _ in range(len(w_rows) * m_rep)]
         waves.append((wave, wave_k, p_rows, slots, a_rows, w_rows, accs))
 
-    lds_plan = _lds_plan(cfg, bid_m, sid, sentinel) if cfg.tile.schedule.staged else None
+    schedule = cfg.tile.schedule
+    lds_plan = _lds_plan(cfg, bid_m, sid, sentinel) if schedule.staged else None
+    image = None
     for it in range(cfg.k_iters):
         # a_lds workgroups have one K wave (config), so the staged tile is that wave's
         kb0 = L.k_block(bid_k, 0, it, 0, 1, cfg.k_iters, U)
-        lds = _stage_tile(cfg, act, lds_plan, kb0) if cfg.tile.schedule.staged else None
+        lds = None
+        if schedule.double_buffered:
+            # the kernel stores iteration it+1's tile while other waves may still read iteration it's:
+            # played in that order (the next tile written first), a buffer overlap corrupts this one
+            if it == 0:
+                image = _stage_tile(cfg, act, lds_plan, kb0, image, 0)
+            if it + 1 < cfg.k_iters:
+                kb_next = L.k_block(bid_k, 0, it + 1, 0, 1, cfg.k_iters, U)
+                image = _stage_tile(cfg, act, lds_plan, kb_next, image, it + 1)
+            lds = (*image, L.lds_tile_byte_base(it, BM, U, schedule.lds_buffers))
+        elif schedule.staged:
+            lds = _stage_tile(cfg, act, lds_plan, kb0)
         for _wave, wave_k, _p_rows, _slots, a_rows, w_rows, accs in waves:
             kb0 = L.k_block(bid_k, wave_k, it, 0, cfg.tile.k_waves, cfg.k_iters, U)
             for u in range(U):
@@ -592,26 +605,35 @@ def _lds_plan(cfg, bid_m, sid, sentinel):
     return plan
 
 
-def _stage_tile(cfg, act, plan, kb0):
-    """The cooperative copy into LDS; unwritten bytes hold a poison pattern."""
-    U = cfg.tile.kb_unroll
-    lds = torch.full((cfg.BM * L.lds_row_bytes(U),), 0x7F, dtype=torch.uint8)
-    written = torch.zeros_like(lds, dtype=torch.bool)
+def _stage_tile(cfg, act, plan, kb0, image=None, it=0):
+    """The cooperative copy into LDS, into the buffer iteration `it` reads (the kernel's offsets);
+    unwritten bytes hold a poison pattern. `image`: the (bytes, written) of earlier rounds (a double
+    buffer keeps the other buffer's tile)."""
+    U, buffers = cfg.tile.kb_unroll, cfg.tile.schedule.lds_buffers
+    if image is None:
+        lds = torch.full((cfg.BM * L.lds_row_bytes(U) * buffers,), 0x7F, dtype=torch.uint8)
+        written = torch.zeros_like(lds, dtype=torch.bool)
+    else:
+        lds, written = image
+    base = L.lds_tile_byte_base(it, cfg.BM, U, buffers)
+    this_round = torch.zeros_like(written)
     for a_row, row, cc in plan:
         data = act.load(L.staged_act_byte_offset(a_row, kb0, cc, cfg.shape.K), 16)
-        word = L.lds_byte_offset(row, cc * 8, U) >> 2
+        word = (base + L.lds_byte_offset(row, cc * 8, U)) >> 2
         idx = (word * 4)[:, None] + torch.arange(16)
         if int(idx.max()) >= lds.numel():
             raise EmulatorError("LDS write past the staged tile")
-        if bool(written[idx].any()) or idx.reshape(-1).unique().numel() != idx.numel():
+        if bool(this_round[idx].any()) or idx.reshape(-1).unique().numel() != idx.numel():
             raise EmulatorError("two LDS writes of one staging round hit the same bytes")
-        written[idx] = True
+        this_round[idx] = True
         lds[idx.reshape(-1)] = data.reshape(-1)
-    return lds, written
+    return lds, written | this_round
 
 
 def _lds_read(lds_state, lofs):
-    lds, written = lds_state
+    """lds_state: (bytes, written[, base of the buffer read])."""
+    lds, written, *base = lds_state
+    lofs = lofs + (base[0] if base else 0)
     if bool((lofs & 3).any()):
         raise EmulatorError("misaligned LDS read")
     idx = ((lofs >> 2) * 4)[:, None] + torch.arange(16)

@@ -11,7 +11,7 @@ from kimi_k3_moe.act_quant import BF16, FP8
 from kimi_k3_moe.activation import ActivationSpec
 from kimi_k3_moe.experts.format import INT4, MXFP4
 from kimi_k3_moe.kernels.flydsl import supported_act_dtypes, tiles
-from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, QuantConfig
+from kimi_k3_moe.kernels.flydsl.config import FlyKernelConfig, KLoop, QuantConfig
 from kimi_k3_moe.platform import FLYDSL_ARCHS, Platform
 
 # Kimi-K3 at TP8: routed experts run at hidden 3584, intermediate 3072/8 per rank, top-16
@@ -40,6 +40,9 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[FlyKernelConfig | QuantConfig]:
         for tier in tiles.default_table()[arch]:   # every aligned tier's stage 2 with reduce "fused"
             extras.append(tiles.stage_configs(arch, weight_format, num_tokens=tier.max_tokens or 1 << 20,
                                               activation=K3_SITU, reduce="fused", **shape)[1])
+        # the LDS double buffer on the largest tier's tiles, which no tier takes yet (docs/FLYDSL.md)
+        last = tiles.stage_configs(arch, weight_format, num_tokens=1 << 20, activation=K3_SITU, **shape)
+        extras += [c.with_tile(schedule=KLoop.LDS_DB, waves_per_eu=2) for c in last]
         if weight_format == INT4:   # asymmetric int4: every tier's kernels (registers and decode checked)
             extras += tiles.sweep_configs(arch, weight_format, activations=[K3_SITU], has_offsets=True,
                                           num_experts=K3_EXPERTS, **shape)

@@ -18,7 +18,7 @@ from fly_helpers import output_dir, toolchain_or_skip
 
 from k3lab.flydsl import artifacts, isa_model
 from k3lab.flydsl.sweep import K3_SITU, OTHER_SITU, ci_configs
-from kimi_k3_moe.kernels.flydsl import code_object
+from kimi_k3_moe.kernels.flydsl import code_object, layout
 from kimi_k3_moe.kernels.flydsl.build import compile_many
 
 CONFIGS = ci_configs()
@@ -158,6 +158,26 @@ def test_load_first_k_loops_issue_every_load_before_the_staged_tiles_barrier(com
               " buffer_load_dwordx4 v[4:7], v4, s[4:7], 0 offen\n v_mfma_f32_16x16x32_bf16 v[8:11], v[0:3], v[4:7], " \
               "v[8:11]\n s_cbranch_scc1 .LBB0_1\n"
     assert artifacts.k_loop_loads_after_first_barrier(chunked) == 1
+
+
+DOUBLE_BUFFERED = [c for c in CONFIGS if c.stage and c.tile.schedule.double_buffered and c.k_iters > 1]
+
+
+@pytest.mark.parametrize("cfg", DOUBLE_BUFFERED, ids=[c.name for c in DOUBLE_BUFFERED])
+def test_double_buffered_k_loops_load_the_next_block_before_this_blocks_mfmas(compiled, cfg):
+    """KLoop.LDS_DB: inside the K loop every global load (block k+1's tile share and weights) is issued
+    before block k's first MFMA, no wait makes an MFMA stall on them (the prefetch check), and one
+    barrier per iteration publishes the other LDS buffer; the two tiles take twice the LDS."""
+    text = Path(compiled[cfg.name].report["isa_file"]).read_text()
+    assert artifacts.k_loop_loads_after_first_mfma(text) == 0
+    assert artifacts.k_loop_self_waits(text) == []
+    assert artifacts.k_loop_barriers(text) == 1
+    lds = compiled[cfg.name].report["metadata"]["group_segment_fixed_size"]
+    assert lds >= 2 * cfg.BM * layout.lds_row_bytes(cfg.tile.kb_unroll)
+    late = ".LBB0_1:\n buffer_load_dwordx4 v[0:3], v4, s[0:3], 0 offen\n" \
+           " v_mfma_f32_16x16x32_bf16 v[8:11], v[12:15], v[12:15], v[8:11]\n" \
+           " buffer_load_dwordx4 v[4:7], v4, s[4:7], 0 offen\n s_barrier\n s_cbranch_scc1 .LBB0_1\n"
+    assert artifacts.k_loop_loads_after_first_mfma(late) == 1 and artifacts.k_loop_barriers(late) == 1
 
 
 SUMMING = [c for c in CONFIGS if getattr(c, "sums_tokens", False)]

@@ -100,7 +100,7 @@ def check(prep, arch, x, tw, ids, act, reduce="slots", **kw):
 
 
 # ------------------------------------------------------------------ every tile of the table
-@pytest.mark.parametrize("tier", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("tier", range(8))
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_every_table_tile_matches_the_reference(gen, arch, tier):
     if tier >= len(raw_tiers(arch)):
@@ -439,3 +439,32 @@ def test_int4_group_scaling_in_fp32_loses_little_to_cancellation(gen, offsets, x
     err = relative_l2(y.view(T_, N).double(), want)
     print(f"int4 fp32 scaling, offsets={offsets}, x mean {x_mean}: rel L2 {err:.2e}")
     assert 0 < err < INT4_FP32_BOUND
+
+
+def _one_lds_buffer(it, BM, U, buffers, _orig=layout.lds_tile_byte_base):
+    return _orig(0, BM, U, buffers)
+
+
+@pytest.mark.parametrize("arch, BM", [("gfx942", 64), ("gfx950", 128)])
+def test_double_buffered_lds_schedule_matches_the_reference(gen, arch, BM, monkeypatch):
+    """KLoop.LDS_DB (the large-batch tiers): the emulator stores iteration it+1's tile into the other
+    buffer before iteration it reads its own (the order another wave may see), over 3 K iterations on
+    stage 1 (the parity comes back to buffer 0) and 2 on stage 2; SiLU and SiTUv2 differ; both tiles
+    in one buffer is caught."""
+    hidden, inter, tokens = 384, 256, 24
+    prep = prepared_layer(gen, arch, hidden=hidden, inter=inter)
+    x, tw, ids = random_routing(gen, tokens, E, K, hidden)
+    c1, c2 = tiles.stage_configs(arch, prep.weight_format, hidden=hidden, inter=inter, top_k=K,
+                                 num_tokens=tokens, activation=SITU)
+    v1 = replace(c1, rows=RowBlocks(BM), tile=replace(c1.tile, waves=4, n_rep=2, schedule=KLoop.LDS_DB))
+    v2 = replace(c2, rows=RowBlocks(BM), tile=replace(c2.tile, waves=4, n_rep=2, schedule=KLoop.LDS_DB))
+    use = ids.long()
+    situ = check(prep, arch, x, tw, use, SITU, configs=(v1, v2))
+    silu = check(prep, arch, x, tw, use, SILU, configs=(v1.with_activation(SILU), v2))
+    assert relative_l2(situ, silu) > 0.05
+    monkeypatch.setattr(layout, "lds_tile_byte_base", _one_lds_buffer)
+    try:
+        bad = emulate(prep, arch, x, tw, use, SITU, configs=(v1, v2))
+    except emulator.EmulatorError:
+        return
+    assert not relative_l2(bad, situ) <= 10 * FAITHFUL_BOUND

@@ -49,6 +49,8 @@ class KLoop(Enum):
     plain: each block's loads right before its MFMAs (after the staged tile's barrier);
     LOAD_FIRST: every load of the iteration before the staged tile's barrier (more registers);
     PREFETCH: software-pipelined, iteration it+1's loads issued before iteration it's MFMAs.
+    LDS_DB: PREFETCH with the staged tile double-buffered in LDS: iteration it+1's tile is stored into
+    the other buffer after iteration it's MFMAs, then one barrier per iteration.
     """
     GLOBAL = "global"
     GLOBAL_LOAD_FIRST = "global_load_first"
@@ -56,14 +58,24 @@ class KLoop(Enum):
     LDS = "lds"
     LDS_LOAD_FIRST = "lds_load_first"
     LDS_PREFETCH = "lds_prefetch"
+    LDS_DB = "lds_db"
 
     @property
     def staged(self) -> bool:
         return self.value.startswith("lds")
 
     @property
+    def double_buffered(self) -> bool:
+        return self is KLoop.LDS_DB
+
+    @property
     def prefetch(self) -> bool:
-        return self.value.endswith("prefetch")
+        return self.value.endswith("prefetch") or self.double_buffered
+
+    @property
+    def lds_buffers(self) -> int:
+        """Staged activation tiles held in LDS at once."""
+        return 2 if self.double_buffered else 1 if self.staged else 0
 
     @property
     def load_first(self) -> bool:
@@ -71,10 +83,15 @@ class KLoop(Enum):
 
     @property
     def name_suffix(self) -> str:
+        if self.double_buffered:
+            return "_lds_db"
         return ("_lds" if self.staged else "") + ("_pf" if self.prefetch else "") + ("_lf" if self.load_first else "")
 
     def with_staging(self, staged: bool) -> KLoop:
-        """The same load order, activations staged through LDS or not."""
+        """The same load order, activations staged through LDS or not (LDS_DB unstaged: GLOBAL_PREFETCH,
+        its weights' order without the tile)."""
+        if self.double_buffered:
+            return self if staged else KLoop.GLOBAL_PREFETCH
         return KLoop(("lds" if staged else "global") + self.value[len("lds" if self.staged else "global"):])
 
     @classmethod

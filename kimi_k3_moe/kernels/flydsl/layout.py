@@ -152,6 +152,12 @@ def lds_byte_offset(row, kk, U):
     return row * lds_row_bytes(U) + kk * 2
 
 
+def lds_tile_byte_base(it, BM, U, buffers):
+    """Byte offset of the LDS buffer K iteration `it` reads: 0, or with a double buffer (buffers 2)
+    the tile of it's parity (`it` an int or a kernel value)."""
+    return (it & 1) * (BM * lds_row_bytes(U)) if buffers == 2 else 0
+
+
 def staged_act_byte_offset(row, kb0, cc, K):
     """Global byte offset of chunk column cc of activation row `row`, K128 block kb0 onwards."""
     return (row * K + kb0 * K_BLOCK + cc * 8) * 2

@@ -38,7 +38,7 @@ from kimi_k3_moe.kernels.flydsl.config import (
 )
 
 TABLE = "flydsl_tiles.json"
-MAX_BM = 64   # the forward pass sizes its 32-bit offsets for alignment blocks up to this
+MAX_BM = 128  # the forward pass sizes its 32-bit offsets for alignment blocks up to this
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,8 @@ def build(cfg: FlyKernelConfig):
 
     # LDS, one allocation (FlyDSL takes one per kernel): the staged activation tile, the K waves'
     # partial sums, or a summing stage 2's arrivals; each is done with before the next is written
-    lds_words = max(BM * L.lds_row_bytes(U) // 4 if schedule.staged else 0, n_partials,
-                    2 * BM if cfg.sums_tokens else 0)
+    tile_words = BM * L.lds_row_bytes(U) // 4 if schedule.staged else 0
+    lds_words = max(tile_words * schedule.lds_buffers, n_partials, 2 * BM if cfg.sums_tokens else 0)
 
     @fx.struct
     class Scratch:
@@ -148,6 +148,31 @@ def build(cfg: FlyKernelConfig):
         WG.end_tile(cfg)
         return accs
 
+    def tile_buffer(ops, it):
+        """The LDS buffer iteration `it` reads (double buffer: it's parity; `it` may be a runtime value)."""
+        return ops.lds if not schedule.double_buffered else \
+            fx.add_offset(ops.lds, L.lds_tile_byte_base(it, BM, U, schedule.lds_buffers) >> 2)
+
+    def compute_blocks(ops, accs, loaded, lds, g, r):
+        """The MFMAs of the iteration's U blocks on their carried loads (no staged tile among them)."""
+        per_block = len(loaded) // U
+        for u in range(U):
+            accs = WG.compute_block(cfg, accs, loaded[u * per_block:(u + 1) * per_block], lds, u, g, r, ops.high)
+        return accs
+
+    def double_buffered_step(ops, accs, carried, it, g, r):
+        """Iteration it+1's tile share, then its weights, are issued; iteration it's MFMAs read the
+        tile in buffer it & 1 and the carried weights; the new share goes into the other buffer and
+        one barrier makes it readable (every wave is past its reads of that buffer from iteration
+        it-1, which ended with the previous barrier). The tile's loads are the oldest in flight, so
+        the wait before its store leaves the weights' loads outstanding."""
+        nxt = load_iteration(ops, it + 1, g)
+        rocdl.sched_barrier(0)   # LLVM's scheduler keeps the loads above the MFMAs and the store below
+        accs = compute_blocks(ops, accs, carried, tile_buffer(ops, it), g, r)
+        rocdl.sched_barrier(0)
+        WG.store_tile(cfg, tile_buffer(ops, it + 1), ops.plan, nxt[:tile_len])
+        return accs, nxt[tile_len:]
+
     # A prefetching schedule software-pipelines the K loop: iteration it+1's loads are issued before
     # iteration it's MFMAs (carried in registers), so the MFMAs never wait for the block being
     # fetched; the last iteration is peeled. Otherwise each iteration loads, then computes: a
@@ -156,9 +181,15 @@ def build(cfg: FlyKernelConfig):
     k_unroll = 1 if schedule.prefetch else -1      # a second copy would make LLVM copy the carried registers
 
     def k_start(ops, g):
+        if schedule.double_buffered:     # iteration 0's tile into buffer 0 before the loop
+            first = load_iteration(ops, fx.Int32(0), g)
+            WG.store_tile(cfg, ops.lds, ops.plan, first[:tile_len])
+            return first[tile_len:]
         return load_iteration(ops, fx.Int32(0), g) if schedule.prefetch else []
 
     def k_step(ops, accs, carried, it, g, r):
+        if schedule.double_buffered:
+            return double_buffered_step(ops, accs, carried, it, g, r)
         if schedule.prefetch:
             nxt = load_iteration(ops, it + 1, g)
             return compute_iteration(ops, accs, carried, g, r), nxt
@@ -167,6 +198,8 @@ def build(cfg: FlyKernelConfig):
         return load_and_compute_iteration(ops, accs, it, g, r), carried
 
     def k_finish(ops, accs, carried, g, r):
+        if schedule.double_buffered:
+            return compute_blocks(ops, accs, carried, tile_buffer(ops, iters - 1), g, r)
         return compute_iteration(ops, accs, carried, g, r) if schedule.prefetch else accs
 
     def join(ops, accs, wave, lane):

@@ -195,26 +195,29 @@ def _mma_block_scaled(cfg, accs, words, w_scales, xs, x_scales):
     return new
 
 
+def _lds_fragment(cfg, lds, mi, j, u, g, r):
+    """v8bf16 of the staged tile: rows mi*16 + r, k = 128*u + 32g + 8j + [0, 8)."""
+    lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + g * L.GROUP + j * 8, cfg.tile.kb_unroll)
+    return fx.Vector(fx.ptr_load(fx.add_offset(lds, lofs >> 2), T.vec(4, T.i32))).bitcast(fx.BFloat16)
+
+
 def _lds_activations(cfg, lds, u, g, r):
-    """v8bf16 fragments [mi * 4 + j] of the staged tile: rows mi*16 + r, k = 128*u + 32g + 8j + [0, 8)."""
-    xs = []
-    for mi in range(cfg.BM // L.MFMA_TILE):
-        for j in range(4):
-            lofs = L.lds_byte_offset(mi * L.MFMA_TILE + r, u * L.K_BLOCK + g * L.GROUP + j * 8, cfg.tile.kb_unroll)
-            xs.append(fx.Vector(fx.ptr_load(fx.add_offset(lds, lofs >> 2), T.vec(4, T.i32))).bitcast(fx.BFloat16))
-    return xs
+    """Fragments [mi * 4 + j] of the staged tile (_lds_fragment), all read before the block's MFMAs."""
+    return [_lds_fragment(cfg, lds, mi, j, u, g, r) for mi in range(cfg.BM // L.MFMA_TILE) for j in range(4)]
 
 
-def _mma_block(cfg, accs, words, scales, offsets, xs):
-    """MXFP4: 4 MFMA steps over one K128 block for every (weight sub-tile, row sub-tile) pair."""
+def _mma_block(cfg, accs, words, scales, offsets, x_at):
+    """MXFP4: 4 MFMA steps over one K128 block for every (weight sub-tile, row sub-tile) pair;
+    x_at(mi, j) is the activation fragment of row sub-tile mi and step j."""
     m_rep = cfg.BM // L.MFMA_TILE
     new = list(accs)
     for j in range(4):
+        xs = [x_at(mi, j) for mi in range(m_rep)]
         for wi in range(len(words)):
             w8 = D.dequant8(cfg, fx.Int32(words[wi][j]), scales[wi])
             for mi in range(m_rep):
                 a = wi * m_rep + mi
-                new[a] = D.mma(cfg, new[a], w8, xs[mi * 4 + j])
+                new[a] = D.mma(cfg, new[a], w8, xs[mi])
     return new
 
 
@@ -283,12 +286,15 @@ def compute_block(cfg, accs, loaded, lds, u, g, r, high):
         else:
             load_x = lambda mi, G: fx.Vector(rest[mi * 4 + G]).bitcast(fx.BFloat16)  # noqa: E731
         return _int4_block(cfg, accs, words, scales, offsets, load_x, high)
+    if cfg.tile.schedule.double_buffered:   # one step's fragments live at a time (BM 128: 32 VGPRs, not 128)
+        scales = [D.scale_value(sc) for sc in scales]
+        return _mma_block(cfg, accs, words, scales, offsets, lambda mi, j: _lds_fragment(cfg, lds, mi, j, u, g, r))
     if cfg.tile.schedule.staged:
         xs = _lds_activations(cfg, lds, u, g, r)
     else:
         xs = [fx.Vector(v).bitcast(fx.BFloat16) for v in rest]
     scales = [D.scale_value(sc) for sc in scales]
-    return _mma_block(cfg, accs, words, scales, offsets, xs)
+    return _mma_block(cfg, accs, words, scales, offsets, lambda mi, j: xs[mi * 4 + j])
 
 
 def reduce_k_waves(cfg, lds, accs, wave_n, wave_k, lane):
