@@ -1,8 +1,9 @@
 """The FlyDSL backend as a tune target.
 
 Candidates per token tier: the packaged tier's tiles; at LARGE_BATCH tokens and above, every
-packaged large-batch row's tiles too (the tiers built for long prompts against the ones before
-them, so the first run on an AMD GPU keeps the measured faster one, not the modelled); then
+packaged large-batch row's tiles too, and the tier's tiles on the LDS double buffer (each stage,
+both, and both at BM 128), which no packaged tier takes on the model's word alone: the first run on
+an AMD GPU keeps the measured faster one, not the modelled; then
 alignment blocks and per-stage tiles around the packaged tier's, then the best stage 1 with the best stage 2, and that
 pair with the other deterministic top-k sum (reduce "fused" where the tier's is "slots",
 and back). Each
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from kimi_k3_moe.kernels.flydsl import pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
+from kimi_k3_moe.kernels.flydsl.config import KLoop
 from kimi_k3_moe.kernels.flydsl.tiles import Tier, tier_row
 from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.tune.loop import TIMED, Candidate
@@ -53,6 +55,24 @@ def large_batch_tiles(arch: str, tier: int) -> list[Tier]:
     base = tiles.tier_for(arch, tier, tiles.default_table())
     return [Tier(tier, row.BM, row.stage1, row.stage2, reduce=base.reduce) for row in tiles.default_table()[arch]
             if not row.direct and (row.max_tokens is None or row.max_tokens >= LARGE_BATCH)]
+
+
+def double_buffered(tier: int, base: Tier) -> list[Tier]:
+    """`base`'s tiles with the LDS double buffer on stage 1, stage 2, both, and both at BM 128 (at most 2
+    waves per EU: its carried registers need them); a tile the schedule refuses is left out."""
+    if tier < LARGE_BATCH:
+        return []
+
+    def db(tile):
+        return replace(tile, schedule=KLoop.LDS_DB, waves_per_eu=min(tile.waves_per_eu or 2, 2), k_waves=1)
+    out = []
+    for bm, s1, s2 in ((base.BM, db(base.stage1), base.stage2), (base.BM, base.stage1, db(base.stage2)),
+                       (base.BM, db(base.stage1), db(base.stage2)), (128, db(base.stage1), db(base.stage2))):
+        try:
+            out.append(Tier(tier, bm, s1, s2, reduce=base.reduce))
+        except ValueError:
+            continue
+    return out
 
 
 def _key(t: Tier) -> str:
@@ -94,13 +114,13 @@ class FlyDSLTarget:
         base = tiles.tier_for(self.arch, tier, tiles.default_table())
         r = base.reduce
         first = [Tier(tier, base.BM, base.stage1, base.stage2, reduce=r)]
-        large = large_batch_tiles(self.arch, tier)
+        large = large_batch_tiles(self.arch, tier) + double_buffered(tier, base)
         first += [Tier(tier, bm, base.stage1, base.stage2, reduce=r) for bm in BMS if bm != base.BM]
         first += [Tier(tier, base.BM, s1, base.stage2, reduce=r) for s1 in _around(base.stage1, STAGE1)]
         first += [Tier(tier, base.BM, base.stage1, s2, reduce=r) for s2 in _around(base.stage2, STAGE2)]
         cands = [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} s1 {_tag(t.stage1)} s2 {_tag(t.stage2)}")
                  for t in first[:1]]
-        cands += [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} large-batch row s1 {_tag(t.stage1)} "
+        cands += [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} large-batch s1 {_tag(t.stage1)} "
                           f"{t.stage1.schedule.value} s2 {_tag(t.stage2)} {t.stage2.schedule.value}") for t in large]
         cands += [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} s1 {_tag(t.stage1)} s2 {_tag(t.stage2)}")
                   for t in first[1:]]

@@ -1,5 +1,6 @@
 """`kimi-k3-moe tune --backend flydsl` at prefill sizes: from 2048 tokens the packaged large-batch rows
-compete with the tier's own tiles, so the first run on an AMD GPU keeps the measured faster one.
+and the tier's tiles on the LDS double buffer compete with the tier's own tiles, so the first run on
+an AMD GPU keeps the measured faster one.
 
 No AMD GPU and no compiler here: the tuner's compile step and its timing are FAKED (every kernel
 "compiles"; the fake clock makes the largest-BM large-batch row the fastest), and each candidate's
@@ -17,9 +18,10 @@ from kimi_k3_moe.bench.shapes import Shape
 from kimi_k3_moe.bench.timing import FakeClock
 from kimi_k3_moe.configs import user_tables
 from kimi_k3_moe.kernels.flydsl import tiles
+from kimi_k3_moe.kernels.flydsl.config import KLoop
 from kimi_k3_moe.reference import dense_moe
 from kimi_k3_moe.tune import flydsl_target
-from kimi_k3_moe.tune.flydsl_target import LARGE_BATCH, FlyDSLTarget, large_batch_tiles
+from kimi_k3_moe.tune.flydsl_target import LARGE_BATCH, FlyDSLTarget, double_buffered, large_batch_tiles
 from kimi_k3_moe.tune.loop import TIMED, tune
 from kimi_k3_moe.weights.requant import requantize_experts
 
@@ -41,6 +43,12 @@ def test_large_batch_rows_are_candidates_from_2048_tokens(arch):
         rows = _rows_for_prefill(arch)
         assert [(t.BM, t.stage1, t.stage2) for t in got] == [(r.BM, r.stage1, r.stage2) for r in rows]
         assert all(t.max_tokens == tier and t.reduce == base.reduce for t in got)   # the table's top-k sum
+        db = double_buffered(tier, base)
+        assert [(t.BM, t.stage1.schedule, t.stage2.schedule) for t in db] == [
+            (base.BM, KLoop.LDS_DB, base.stage2.schedule), (base.BM, base.stage1.schedule, KLoop.LDS_DB),
+            (base.BM, KLoop.LDS_DB, KLoop.LDS_DB), (128, KLoop.LDS_DB, KLoop.LDS_DB)]
+        assert all(t.stage1.waves_per_eu <= 2 for t in db if t.stage1.schedule is KLoop.LDS_DB)
+    assert double_buffered(1024, tiles.tier_for(arch, 1024, tiles.default_table())) == []
 
 
 def _target(arch, gen, tables, tiers):
@@ -61,8 +69,8 @@ def _target(arch, gen, tables, tiers):
                 return done[key]
             return run
 
-    # the packaged tier and the large-batch rows only (the search around them is the FlyDSL suite's)
-    rounds = 1 + len(_rows_for_prefill(arch))
+    # the packaged tier and the large-batch candidates only (the search around them is the FlyDSL suite's)
+    rounds = 1 + len(_rows_for_prefill(arch)) + 4
     return FakedRuns(SHAPE, experts, SITU, arch=arch, identity=user_tables.device_identity(), out_dir=tables / "b",
                      tiers=tiers, compiler=lambda cfg: (True, "compile FAKED"), max_per_round=rounds)
 
@@ -85,10 +93,11 @@ def test_tune_keeps_the_faster_large_batch_row(arch, gen, seed, tables):
                   seed=seed)
     timed = {o["label"]: o["us"] for o in result["outcomes"]["4096"].values() if o["status"] == TIMED}
     assert any("large-batch" in x for x in timed)
-    # a row with the packaged tier's tiles is that candidate (one key): the others compete with it
+    # a candidate with the packaged tier's tiles is that candidate (one key): the others compete with it
     base = tiles.tier_for(arch, 4096, tiles.default_table())
-    best_bm = max(r.BM for r in _rows_for_prefill(arch) if (r.BM, r.stage1, r.stage2) != (base.BM, base.stage1,
-                                                                                            base.stage2))
+    best_bm = max(t.BM for t in large_batch_tiles(arch, 4096) + double_buffered(4096, base)
+                  if (t.BM, t.stage1, t.stage2) != (base.BM, base.stage1, base.stage2))
+    assert any("lds_db" in x for x in timed)
     assert result["tiers"][4096]["us"] == pytest.approx(100.0 - best_bm / 4)
     assert result["tiers"][1024]["us"] == 100.0
     # the written user table serves 4096 tokens with the winning row's BM
