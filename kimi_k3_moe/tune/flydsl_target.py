@@ -63,8 +63,10 @@ def double_buffered(tier: int, base: Tier) -> list[Tier]:
     if tier < LARGE_BATCH:
         return []
 
+    schedule = next(k for k in KLoop if k.double_buffered)
+
     def db(tile):
-        return replace(tile, schedule=KLoop.LDS_DB, waves_per_eu=min(tile.waves_per_eu or 2, 2), k_waves=1)
+        return replace(tile, schedule=schedule, waves_per_eu=min(tile.waves_per_eu or 2, 2), k_waves=1)
     out = []
     for bm, s1, s2 in ((base.BM, db(base.stage1), base.stage2), (base.BM, base.stage1, db(base.stage2)),
                        (base.BM, db(base.stage1), db(base.stage2)), (128, db(base.stage1), db(base.stage2))):
