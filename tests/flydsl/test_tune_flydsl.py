@@ -33,10 +33,10 @@ class Rigged(FlyDSLTarget):
         real = super().candidates(tier, done)[:2]
         base = real[0].config
         no_linker = Tier(tier, base.BM, replace(base.stage1, kb_unroll=2), base.stage2)
-        impossible = Tier(tier, 80, base.stage1, base.stage2)
+        impossible = Tier(tier, tiles.MAX_BM + 16, base.stage1, base.stage2)   # past the largest BM
         wrong = Tier(tier, base.BM, base.stage1, replace(base.stage2, n_rep=1))
         return real + [Candidate(tier, "nolink", no_linker, f"T{tier} no-linker"),
-                       Candidate(tier, "bm80", impossible, f"T{tier} impossible-tile"),
+                       Candidate(tier, "bm_past_max", impossible, f"T{tier} impossible-tile"),
                        Candidate(tier, "wrong", wrong, f"T{tier} wrong-activation")]
 
     def _build(self, cfg):
