@@ -8,8 +8,11 @@ K3 TP8 per-rank shape, with aiter's kernel compiled at the tile each timed row n
 (benchmarks/flydsl_model_data.py): all 16 rows of the pre-retune table; aiter PR 5118's retune
 is the held-out check and a second fit. Ours is then compared with aiter's newest rows (measured
 by aiter: model vs measured) and with aiter's kernels through the same model (model vs model),
-beside the HBM and compute floors; every ratio carries its band when L and eta each move +-30 %
-(the other two constants refitted).
+beside the HBM and compute floors (the compute floor at each arch's dense bf16 MFMA rate from its
+traits); every ratio carries its band when L and eta each move +-30 % (the other two constants
+refitted). Every row is modelled under uniform routing and under the bench's `skewed` routing (one
+draw, benchmarks/flydsl_model_routing.py), with each stage's last-round fill (the grid's tail) and
+what balancing that tail would save.
 
     python benchmarks/flydsl_model.py [--json [FILE]] [--aiter-src DIR] [--rocm DIR] [--tokens 1,16]
 
@@ -34,13 +37,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flydsl_model_data as aiter_rows  # noqa: E402
+import flydsl_model_routing as routes  # noqa: E402
+from flydsl_model_routing import UNIFORM, RoutingModel  # noqa: E402
 
-from k3lab.flydsl import isa_model  # noqa: E402
+from k3lab.flydsl import artifacts, isa_model  # noqa: E402
 from k3lab.flydsl.isa_model import Launch, Params  # noqa: E402
 from kimi_k3_moe.amd_archs import AMD_ARCHS  # noqa: E402
 
 H, I, E, TOP_K = 3584, 384, 896, 16          # Kimi-K3 routed experts, per rank at TP8
-TIERS = (1, 4, 16, 64, 128, 256, 1024, 4096, 16384)
+TIERS = (1, 4, 16, 64, 128, 256, 1024, 2048, 4096, 8192, 16384)
 FORMAT = {arch: t.weight_formats[0] for arch, t in AMD_ARCHS.items()}
 SCALE_BYTES = {"mxfp4": 1, "int4": 2}          # per 32 weights: e8m0 byte, bf16 group scale
 MFMA_K = {arch: t.mfma_k for arch, t in AMD_ARCHS.items()}
@@ -60,38 +65,32 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------ routing statistics
-def distinct_experts(tokens: int) -> float:
-    """Expected experts touched by `tokens` tokens each routed to TOP_K distinct experts, uniformly."""
-    return E * (1 - (1 - TOP_K / E) ** tokens)
-
-
-def expected_blocks(tokens: int, bm: int) -> float:
-    """Expected BM-row blocks after aligning every expert's rows to BM (all experts together)."""
-    n, p = tokens, TOP_K / E
-    mean, sd = n * p, math.sqrt(n * p * (1 - p))
-    lo, hi = max(0, int(mean - 12 * sd) - 1), min(n, int(mean + 12 * sd) + 2)
-    total = 0.0
-    for c in range(lo, hi + 1):
-        logpmf = (math.lgamma(n + 1) - math.lgamma(c + 1) - math.lgamma(n - c + 1)
-                  + (c * math.log(p) if c else 0.0) + ((n - c) * math.log1p(-p) if n - c else 0.0))
-        total += math.exp(logpmf) * -(-c // bm)
-    return E * total
-
-
+# ------------------------------------------------------------------ bytes and floors
 def weight_bytes(weight_format: str, rows: int, cols: int) -> float:
     return rows * cols * (0.5 + SCALE_BYTES[weight_format] / 32)
 
 
-def hbm_floor_us(arch: str, tokens: int) -> float:
+def hbm_floor_us(arch: str, tokens: int, routing: RoutingModel = UNIFORM) -> float:
     """The touched experts' weights and scales at the full HBM peak (eta 1: a hard floor)."""
     w = FORMAT[arch]
     per_expert = weight_bytes(w, 2 * I, H) + weight_bytes(w, H, I)
-    return distinct_experts(tokens) * per_expert / (isa_model.DEVICES[arch].peak_tbs * 1e12) * 1e6
+    return routing.distinct(tokens) * per_expert / (isa_model.DEVICES[arch].peak_tbs * 1e12) * 1e6
+
+
+def flop_per_token() -> float:
+    """The layer's work per token at K3 TP8: 2 x (H x 2I + I x H) x top-k (132.1 MFLOP)."""
+    return 2 * (H * 2 * I + I * H) * TOP_K
+
+
+def bf16_tflops(arch: str) -> float:
+    """Dense bf16 MFMA peak from the arch's traits: CUs x SIMDs x the MFMA's flops / its issue cycles x clock
+    (gfx942 16x16x16 in 16 cycles at 2.1 GHz on 304 CUs: 1307; gfx950 16x16x32 at 2.4 GHz on 256: 2517)."""
+    t = AMD_ARCHS[arch]
+    return t.cus * t.simds_per_cu * 2 * 16 * 16 * t.mfma_k / t.mfma_cycles * t.clock_ghz * 1e9 / 1e12
 
 
 def compute_floor_us(arch: str, tokens: int) -> float:
-    return tokens * aiter_rows.FLOP_PER_TOKEN / (aiter_rows.BF16_TFLOPS[arch] * 1e12) * 1e6
+    return tokens * flop_per_token() / (bf16_tflops(arch) * 1e12) * 1e6
 
 
 # ------------------------------------------------------------------ what each side launches
@@ -164,13 +163,14 @@ def int4_tiles(cfg) -> int:
     return cfg.tile.n_rep * (2 if cfg.stage == 1 else 1) if cfg.weight_format == "int4" else 0
 
 
-def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto", act_dtype: str = "bf16") -> list[Launch]:
+def our_launches(arch: str, tokens: int, kernels: dict, reduce: str = "auto", act_dtype: str = "bf16",
+                 routing: RoutingModel = UNIFORM) -> list[Launch]:
     s1, s2 = our_configs(arch, tokens, reduce, act_dtype)
     weight_format = FORMAT[arch]
     if s1.rows.direct:   # one block per (token, slot) pair, each reading its expert's weights
         blocks = d = tokens * TOP_K
     else:
-        blocks, d = expected_blocks(tokens, s1.BM), distinct_experts(tokens)
+        blocks, d = routing.blocks(tokens, s1.BM), routing.distinct(tokens)
     rows = blocks * s1.BM
     a = ACT_BYTES[act_dtype]
     mk = SCALED_MFMA_K if s1.quantized else MFMA_K[arch]
@@ -197,13 +197,14 @@ def token_sum_bytes(s2, tokens: int) -> int:
     return tokens * TOP_K * H * 2 + tokens * H * 2 + tokens * TOP_K * 4 + (tokens + 1) * (H // s2.BN) * 4
 
 
-def peer_launches(tokens: int, specs: tuple[PeerSpec, PeerSpec], kernels: dict) -> list[Launch]:
+def peer_launches(tokens: int, specs: tuple[PeerSpec, PeerSpec], kernels: dict,
+                  routing: RoutingModel = UNIFORM) -> list[Launch]:
     """aiter's two a16w4 launches at these tiles; its waves per workgroup read from the compiled code."""
     s1, s2 = specs
     weight_format = FORMAT[s1.arch]
-    blocks = expected_blocks(tokens, s1.BM)
+    blocks = routing.blocks(tokens, s1.BM)
     rows = blocks * s1.BM
-    d = distinct_experts(tokens)
+    d = routing.distinct(tokens)
     k1, k2 = kernels[s1.key], kernels[s2.key]
     mk = MFMA_K[s1.arch]
     return [
@@ -287,38 +288,74 @@ VARIANTS = (("gfx950", "bf16", aiter_rows.NEWEST_A16W4, "a16w4 (newest)"),
             ("gfx950", "fp4", aiter_rows.A4W4, "a4w4"),
             ("gfx942", "bf16", aiter_rows.GFX942_A16W4, "gfx942 a16w4 (MI300X, measured)"))
 RATIOS = ("ours_kernels_over_aiter_measured", "ours_all_over_aiter_measured", "ours_over_aiter_model",
-          "ours_all_over_hbm_floor", "ours_all_over_compute_floor")
+          "ours_all_over_hbm_floor", "ours_all_over_compute_floor", "skewed_over_uniform")
 
 
-def _detail(launch: Launch, t) -> dict:
+def _slots(launch: Launch, device) -> int:
+    """Workgroups the GPU holds at once for this kernel, counted as isa_model.launch_time counts them."""
+    k = launch.kernel
+    occ = artifacts.occupancy(device.arch, vgpr=k.vgpr, agpr=k.agpr, accum_offset=k.accum_offset,
+                              lds_bytes=k.lds_bytes, waves_per_workgroup=k.waves_per_workgroup)
+    return device.cus * max(1, occ["waves_per_simd"] * device.simds // k.waves_per_workgroup)
+
+
+def _detail(launch: Launch, t, device, params: Params) -> dict:
+    """One stage's figures, with the last round's fill (the grid's tail: the share of the GPU's workgroup
+    slots busy in the final round) and the stage with its tail balanced: the work of a launch that fills
+    the GPU at least twice spread over every slot to the end (finer work items in the tail, e.g. the
+    hot experts' N or K split further), an upper bound on what scheduling alone saves. Equal work items
+    handed out by persistent workgroups keep the same last round, so they alone save nothing here."""
+    slots = _slots(launch, device)
+    fill = launch.workgroups / slots - (t.rounds - 1)
+    balanced = t.us if t.rounds < 2 else \
+        params.t0_us + max(t.compute_us * launch.workgroups / (t.rounds * slots), t.memory_us)
     return {"kernel": launch.kernel.name, "us": round(t.us, 1), "compute_us": round(t.compute_us, 1),
             "memory_us": round(t.memory_us, 1), "bound": "hbm" if t.memory_us >= t.compute_us else "issue",
             "critical_us": round(t.critical_us, 1), "rounds": t.rounds, "waves_per_simd": t.waves_per_simd,
-            "workgroups": launch.workgroups, "hbm_mb": round(launch.hbm_bytes / 1e6, 2)}
+            "workgroups": launch.workgroups, "slots": slots, "last_round_fill": round(fill, 3),
+            "balanced_tail_us": round(balanced, 1), "hbm_mb": round(launch.hbm_bytes / 1e6, 2)}
 
 
-def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params: Params, reduce: str) -> dict:
-    """One token count: ours (model), aiter's measured row, aiter through the same model where its row
-    names a FlyDSL kernel we compiled (gfx950 bf16 only), the floors, the ratios."""
+def _ours(arch, act, t, kernels, params: Params, reduce: str, routing: RoutingModel) -> tuple[list[dict], float]:
+    device = isa_model.DEVICES[arch]
+    launches = our_launches(arch, t, kernels, reduce, act, routing)
+    stages = [isa_model.launch_time(x, device, params) for x in launches]
+    return [_detail(x, s, device, params) for x, s in zip(launches, stages, strict=True)], sum(s.us for s in stages)
+
+
+def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params: Params, reduce: str,
+              skewed: RoutingModel = routes.SKEWED) -> dict:
+    """One token count: ours (model) under uniform and skewed routing, aiter's measured row, aiter through
+    the same model where its row names a FlyDSL kernel we compiled (gfx950 bf16 only), the floors, the ratios."""
     device = isa_model.DEVICES[arch]
     row: dict = {"tokens": t}
+    s1 = our_configs(arch, t, reduce, act)[0]
     if all(c.name in kernels for c in our_configs(arch, t, reduce, act)):
-        launches = our_launches(arch, t, kernels, reduce, act)
-        stages = [isa_model.launch_time(x, device, params) for x in launches]
         ops = glue_ops(arch, t, reduce, act)
-        row["ours_stages"] = [_detail(x, s) for x, s in zip(launches, stages, strict=True)]
+        glue = glue_us(ops, device, params)
         row["ours_glue_ops"] = [name for name, _ in ops]
-        row["ours_kernels_us"] = sum(s.us for s in stages)
         row["ours_launches"] = 2 + len(ops)
-        row["ours_all_us"] = row["ours_kernels_us"] + glue_us(ops, device, params)
+        for routing in (UNIFORM, skewed):
+            stages, kernels_us = _ours(arch, act, t, kernels, params, reduce, routing)
+            tag = "" if routing is UNIFORM else "skewed_"
+            row[f"ours_{tag}stages"] = stages
+            row[f"ours_{tag}kernels_us"] = kernels_us
+            row[f"ours_{tag}all_us"] = kernels_us + glue
+            row[f"ours_{tag}tail_gain_us"] = max(0.0, kernels_us - sum(x["balanced_tail_us"] for x in stages))
+            if not s1.rows.direct:
+                row[f"{tag or 'uniform_'}routing"] = routing.summary(t, s1.BM)
+        row["skewed_over_uniform"] = row["ours_skewed_all_us"] / row["ours_all_us"]
     entry = measured.get(t)
     if entry is not None:
         total, tiles = entry if isinstance(entry, tuple) else (entry, None)
         row["aiter_measured_us"] = total
         specs = peer_pair(*tiles) if tiles else None
         if specs and all(s.key in kernels for s in specs):
-            stages = [isa_model.launch_time(x, device, params) for x in peer_launches(t, specs, kernels)]
-            row["aiter_model_us"] = sum(s.us for s in stages) + peer_sort_us(t, device, params)
+            for routing in (UNIFORM, skewed):
+                launches = peer_launches(t, specs, kernels, routing)
+                us = sum(isa_model.launch_time(x, device, params).us for x in launches)
+                row["aiter_model_us" if routing is UNIFORM else "aiter_model_skewed_us"] = \
+                    us + peer_sort_us(t, device, params)
     row["hbm_floor_us"], row["compute_floor_us"] = hbm_floor_us(arch, t), compute_floor_us(arch, t)
     if "ours_all_us" in row:
         if "aiter_measured_us" in row:
@@ -331,11 +368,12 @@ def model_row(arch: str, act: str, measured: dict, t: int, kernels: dict, params
     return row
 
 
-def comparison(arch, act, measured, tokens, kernels, param_sets: dict, reduce: str) -> list[dict]:
+def comparison(arch, act, measured, tokens, kernels, param_sets: dict, reduce: str,
+               skewed: RoutingModel = routes.SKEWED) -> list[dict]:
     """Rows at the central constants, each ratio with its [low, high] over every constant set."""
     rows = []
     for t in tokens:
-        by_set = {k: model_row(arch, act, measured, t, kernels, p, reduce) for k, p in param_sets.items()}
+        by_set = {k: model_row(arch, act, measured, t, kernels, p, reduce, skewed) for k, p in param_sets.items()}
         row = by_set["central"]
         for key in RATIOS:
             values = [r[key] for r in by_set.values() if key in r]
@@ -351,25 +389,79 @@ def _fmt(row: dict, key: str) -> str:
         return "n/a"
     if key in RATIOS:
         lo, hi = row[key + "_band"]
-        return f"{v:.2f} ({lo:.2f}-{hi:.2f})"
+        digits = 0 if v >= 20 else 2
+        return f"{v:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
     return str(v) if isinstance(v, int) else f"{v:.1f}"
 
 
-COLUMNS = (("tokens", "tokens"), ("ours_kernels_us", "ours kernels"), ("ours_all_us", "ours all"),
-           ("ours_launches", "launches"), ("aiter_measured_us", "aiter measured"),
-           ("aiter_model_us", "aiter model"), ("hbm_floor_us", "HBM floor"), ("compute_floor_us", "compute floor"),
-           ("ours_kernels_over_aiter_measured", "ours kernels / aiter measured [model vs measured]"),
-           ("ours_all_over_aiter_measured", "ours all / aiter measured [model vs measured]"),
-           ("ours_over_aiter_model", "ours all / aiter all [model vs model]"),
-           ("ours_all_over_hbm_floor", "ours all / HBM floor [model]"),
-           ("ours_all_over_compute_floor", "ours all / compute floor [model]"))
+COLUMNS = (("tokens", "tokens"), ("ours_all_us", "ours all"), ("ours_launches", "launches"),
+           ("ours_skewed_all_us", "ours all, skewed"), ("skewed_over_uniform", "skewed / uniform"),
+           ("aiter_measured_us", "aiter measured"), ("aiter_model_us", "aiter all (model)"),
+           ("ours_kernels_over_aiter_measured", "ours kernels / aiter measured"),
+           ("ours_all_over_aiter_measured", "ours all / aiter measured"),
+           ("ours_over_aiter_model", "ours / aiter, both modelled"),
+           ("hbm_floor_us", "HBM floor"), ("ours_all_over_hbm_floor", "ours all / HBM floor"),
+           ("compute_floor_us", "compute floor"), ("ours_all_over_compute_floor", "ours all / compute floor"))
 
 
 def print_table(title: str, rows: list[dict]) -> None:
-    print(f"\n{title}")
-    print(" | ".join(h for _, h in COLUMNS))
+    """A markdown table, as docs/PERF.md carries it (a column empty in every row left out)."""
+    columns = [(k, h) for k, h in COLUMNS if any(k in r for r in rows)]
+    print(f"\n**{title}**\n")
+    print("| " + " | ".join(h for _, h in columns) + " |")
+    print("|" + "---:|" * len(columns))
     for r in rows:
-        print(" | ".join(_fmt(r, k) for k, _ in COLUMNS))
+        print("| " + " | ".join(_fmt(r, k) for k, _ in columns) + " |")
+
+
+# issue 47's targets (model figures): (table prefix, ratio, bound, token counts)
+TARGETS = (("gfx942 int4 bf16", "ours_all_over_compute_floor", 2.0, (4096, 16384)),
+           ("gfx942 int4 bf16", "ours_all_over_aiter_measured", 0.5, (16384,)),
+           ("gfx950 mxfp4 bf16", "ours_all_over_compute_floor", 2.0, (4096, 16384)),
+           ("gfx950 mxfp4 bf16", "ours_all_over_aiter_measured", 0.6, (4096, 16384)),
+           ("gfx950 mxfp4 fp8", "ours_all_over_aiter_measured", 0.9, (4096, 16384)),
+           ("gfx950 mxfp4 fp4", "ours_all_over_aiter_measured", 0.9, (4096, 16384)),
+           ("", "skewed_over_uniform", 1.25, (4096, 16384)))
+
+
+def print_targets(rows_by_table: dict) -> None:
+    """Each target of the issue with the model's figure (central constants, band in brackets)."""
+    print("\n**Targets (model figures)**\n")
+    print("| table | ratio | target | " + " | ".join(f"{t} tokens" for t in (4096, 16384)) + " |")
+    print("|---|---|---:|---:|---:|")
+    for prefix, key, bound, tokens in TARGETS:
+        for name, rows in rows_by_table.items():
+            if not name.startswith(prefix):
+                continue
+            cells = []
+            for t in (4096, 16384):
+                r = next((r for r in rows if r["tokens"] == t), None)
+                if t not in tokens or r is None or key not in r:
+                    cells.append("")
+                    continue
+                cells.append(f"{_fmt(r, key)} {'met' if r[key] <= bound else 'MISSED'}")
+            print(f"| {name} | {key.replace('_', ' ')} | <= {bound} | " + " | ".join(cells) + " |")
+
+
+def print_skew(rows_by_table: dict) -> None:
+    """Where skewed routing puts the rows, and what the grid's tail costs (both routings, our kernels)."""
+    print("\n**Routing and the grid's tail (ours, bf16 activations): stage-1 row blocks at the tier's BM, the "
+          "busiest expert, the last round's fill per stage, what balancing the tail would save**\n")
+    print("| arch | tokens | BM | blocks uniform / skewed | busiest expert rows (blocks) | top 5 % experts' share "
+          "| last-round fill s1 / s2, uniform | skewed | balanced tail saves, uniform / skewed us |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, rows in rows_by_table.items():
+        if "bf16-act" not in name:
+            continue
+        for r in rows:
+            u, k = r.get("uniform_routing"), r.get("skewed_routing")
+            if not u or "ours_stages" not in r:
+                continue
+            fill = lambda st: " / ".join(f"{x['last_round_fill']:.2f}" for x in st)  # noqa: E731
+            print(f"| {name.split()[0]} | {r['tokens']} | {u['BM']} | {u['blocks']:.0f} / {k['blocks']:.0f} "
+                  f"| {k['max_rows']} ({k['max_blocks']}) | {k['top5pct_share']:.2f} | {fill(r['ours_stages'])} "
+                  f"| {fill(r['ours_skewed_stages'])} | {r['ours_tail_gain_us']:.1f} / "
+                  f"{r['ours_skewed_tail_gain_us']:.1f} |")
 
 
 def main(argv=None) -> int:
@@ -383,6 +475,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "out" / "flydsl_model"), help="ISA and JSON folder")
     parser.add_argument("--tokens", default=",".join(map(str, TIERS)), help="comma-separated token counts")
     parser.add_argument("--fresh", action="store_true", help="recompile even where an ISA file exists")
+    parser.add_argument("--skew-seed", type=int, default=routes.SKEW_SEED,
+                        help="seed of the skewed routing's one draw (the tables use the default)")
     parser.add_argument("--reduce", default="auto", choices=("auto", "slots", "fused", "atomic"),
                         help="our top-k sum: the tile table's per-tier choice (auto) or one at every tier")
     args = parser.parse_args(argv)
@@ -432,13 +526,18 @@ def main(argv=None) -> int:
         print(f"aiter kernel not compiled: {key}: {why}")
     result = {"params": asdict(params), "fit": report, "aiter_failed": failed, "glue_launch_us": GLUE_LAUNCH_US,
               "sensitivity_params": {k: asdict(p) for k, p in sets.items()}, "sources": aiter_rows.SOURCES,
+              "skewed_routing": {"sigma": routes.SKEW_SIGMA, "seed": args.skew_seed,
+                                 "generator": "kimi_k3_moe.bench.data"},
               "tables": {}}
     for arch, act, measured, what in VARIANTS:
-        rows = comparison(arch, act, measured, tokens, kernels, sets, args.reduce)
+        rows = comparison(arch, act, measured, tokens, kernels, sets, args.reduce,
+                          RoutingModel("skewed", seed=args.skew_seed))
         name = f"{arch} {FORMAT[arch]} {act}-act vs aiter {what}"
         result["tables"][name] = rows
-        print_table(f"{isa_model.DEVICES[arch].name} ({name}), K3 TP8 per rank, uniform routing, us; "
-                    "ours and 'aiter model' are MODEL figures, 'aiter measured' is aiter's table", rows)
+        print_table(f"{isa_model.DEVICES[arch].name} ({name}), K3 TP8 per rank, us; ours and 'aiter model' are "
+                    "MODEL figures, 'aiter measured' is aiter's table", rows)
+    print_skew(result["tables"])
+    print_targets(result["tables"])
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

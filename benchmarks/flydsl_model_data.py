@@ -47,8 +47,9 @@ RETUNE_5118 = (
 )
 
 # aiter's newest gfx950 a16w4 rows (kimik3_a16w4_tuned_fmoe.csv @ 29edaec0ea) at the model's token
-# tiers: tokens -> (total us, (stage-1 tile, stage-2 tile) or None where the row names one of aiter's
-# assembly one-stage kernels, which the model cannot compile).
+# tiers (none stored here at 2048 and 8192 tokens: the pre-retune rows above are the only ones there):
+# tokens -> (total us, (stage-1 tile, stage-2 tile) or None where the row names one of aiter's assembly
+# one-stage kernels, which the model cannot compile).
 NEWEST_A16W4 = {
     1: (18.22, None), 4: (29.83, None), 16: (87.74, None),
     64: (231.15, ("t16x128x256_xcd4", "t16x128x128_atomic_bnt2")),
@@ -63,12 +64,12 @@ NEWEST_A16W4 = {
 # kimik3_a8w4_tuned_fmoe.csv (fp8 activations) and kimik3_a4w4_tuned_fmoe.csv (MXFP4 activations)
 # @ e4048607a5. aiter's kernels there are other code (opus / layout stage 2): timings only.
 A8W4 = {1: 17.7347, 4: 33.6917, 16: 91.8557, 64: 221.5821, 128: 283.3301, 256: 308.8558, 1024: 339.1744,
-        4096: 764.979, 16384: 1752.928}
+        2048: 417.7975, 4096: 764.979, 8192: 1104.406, 16384: 1752.928}
 A4W4 = {1: 20.0324, 4: 32.86, 16: 91.2002, 64: 225.8558, 128: 289.334, 256: 325.335, 1024: 349.9001,
-        4096: 653.202, 16384: 1716.5066}
+        2048: 428.2433, 4096: 653.202, 8192: 1020.2545, 16384: 1716.5066}
 
 # aiter's measured gfx942 a16w4 rows (bf16 activations x MXFP4 weights, cu_num 304 = MI300X;
-# kimik3_a16w4_tuned_fmoe.csv @ 29edaec0ea), stage 1 + stage 2 us.
+# kimik3_a16w4_tuned_fmoe.csv @ 29edaec0ea), stage 1 + stage 2 us (none stored at 2048 and 8192 tokens).
 GFX942_A16W4 = {1: 25.0083, 4: 70.2858, 16: 247.7965, 64: 631.6847, 128: 831.0787, 256: 930.5091,
                 1024: 1301.4822, 4096: 3151.3427, 16384: 10483.9476}
 
@@ -80,8 +81,3 @@ SOURCES = {
     "a4w4": "kimik3_a4w4_tuned_fmoe.csv @ e4048607a5 (gfx950)",
     "gfx942": "kimik3_a16w4_tuned_fmoe.csv @ 29edaec0ea (gfx942, cu_num 304, MXFP4 weights)",
 }
-
-# Dense bf16 MFMA peaks (TFLOP/s) for the compute floor, and the layer's work per token at K3 TP8:
-# 2 x (H x 2I + I x H) x top-k multiply-adds.
-BF16_TFLOPS = {"gfx950": 2516.0, "gfx942": 1307.0}
-FLOP_PER_TOKEN = 2 * (3584 * 2 * 384 + 384 * 3584) * 16

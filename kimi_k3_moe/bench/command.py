@@ -11,12 +11,15 @@ from kimi_k3_moe.cli import count_list, non_negative_int, positive_int
 HELP = ("time every backend that runs here and the engine's own Kimi-K3 path (Humming on Hopper, aiter on "
         "ROCm) at one per-rank shape; each row is checked against the float reference before it is timed")
 DEFAULT_TOKENS = "1,4,16,64,256,1024,4096,16384"
+# ROCm: every prefill chunk size the large-batch tiers serve, ours beside aiter's fused_moe at each
+ROCM_EXTRA_TOKENS = (2048, 8192)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shape_arguments(parser)
-    parser.add_argument("--tokens", default=DEFAULT_TOKENS,
-                        help="comma list of token counts (>= 1)")
+    parser.add_argument("--tokens", default=None,
+                        help=f"comma list of token counts (>= 1; default {DEFAULT_TOKENS}, on ROCm with "
+                             f"{' and '.join(map(str, ROCM_EXTRA_TOKENS))} too)")
     parser.add_argument("--json", dest="json_out", help="write the full result here")
     parser.add_argument("--ours", default="auto",
                         help="our rows, e.g. triton,triton:int4,flydsl (auto: this platform's)")
@@ -28,6 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=None, help="data seed (default: fresh)")
     parser.add_argument("--routing", default="uniform", type=routing_arg,
                         help=f"{ROUTINGS}: which experts the tokens pick (recorded in the JSON)")
+
+
+def default_tokens() -> str:
+    import torch
+    counts = {int(t) for t in DEFAULT_TOKENS.split(",")}
+    if getattr(torch.version, "hip", None):
+        counts |= set(ROCM_EXTRA_TOKENS)
+    return ",".join(map(str, sorted(counts)))
 
 
 def default_ours() -> list[str]:
@@ -46,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from kimi_k3_moe.bench.runner import run_bench
     from kimi_k3_moe.bench.shapes import require_gpu, shape_and_activation
     from kimi_k3_moe.bench.timing import GraphTimer, bf16_matmul_tflops, copy_bandwidth_gbps
-    tokens = count_list(args.tokens, "--tokens")
+    tokens = count_list(args.tokens or default_tokens(), "--tokens")
     if args.json_out:
         report.require_writable(args.json_out)
     shape, activation = shape_and_activation(args.model, args.shape, args.tp)

@@ -1,7 +1,10 @@
 """The FlyDSL backend as a tune target.
 
-Candidates per token tier: the packaged tier's tiles, then alignment blocks and
-per-stage tiles around them, then the best stage 1 with the best stage 2, and that
+Candidates per token tier: the packaged tier's tiles; at LARGE_BATCH tokens and above, every
+packaged large-batch row's tiles too, and the tier's tiles on the LDS double buffer (each stage,
+both, and both at BM 128), which no packaged tier takes on the model's word alone: the first run on
+an AMD GPU keeps the measured faster one, not the modelled; then
+alignment blocks and per-stage tiles around the packaged tier's, then the best stage 1 with the best stage 2, and that
 pair with the other deterministic top-k sum (reduce "fused" where the tier's is "slots",
 and back). Each
 candidate's two kernels are compiled in a subprocess (an LLVM abort loses one
@@ -18,11 +21,13 @@ from pathlib import Path
 
 from kimi_k3_moe.kernels.flydsl import pipeline, tiles
 from kimi_k3_moe.kernels.flydsl.backend import FlyDSLBackend
+from kimi_k3_moe.kernels.flydsl.config import KLoop
 from kimi_k3_moe.kernels.flydsl.tiles import Tier, tier_row
 from kimi_k3_moe.loading import prepare_for
 from kimi_k3_moe.tune.loop import TIMED, Candidate
 
-TIERS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+TIERS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
+LARGE_BATCH = 2048   # prefill chunks: from here each packaged row serving such counts is a candidate
 BMS = (16, 32, 64)
 # per-stage tiles tried around the tier's: (waves, n_rep, kb_unroll, activations staged through LDS); the
 # tier's K-loop order (load_first, prefetch), k_waves and waves_per_eu are kept
@@ -37,6 +42,36 @@ def _around(tile, choices) -> list:
         try:
             out.append(replace(tile, waves=waves, n_rep=n_rep, kb_unroll=kb_unroll,
                                schedule=tile.schedule.with_staging(staged)))
+        except ValueError:
+            continue
+    return out
+
+
+def large_batch_tiles(arch: str, tier: int) -> list[Tier]:
+    """The packaged rows of `arch` that serve LARGE_BATCH tokens or more, as candidates at `tier` (none
+    below LARGE_BATCH), each with the tier's own top-k sum: the tiles compete, the sum stays the table's."""
+    if tier < LARGE_BATCH:
+        return []
+    base = tiles.tier_for(arch, tier, tiles.default_table())
+    return [Tier(tier, row.BM, row.stage1, row.stage2, reduce=base.reduce) for row in tiles.default_table()[arch]
+            if not row.direct and (row.max_tokens is None or row.max_tokens >= LARGE_BATCH)]
+
+
+def double_buffered(tier: int, base: Tier) -> list[Tier]:
+    """`base`'s tiles with the LDS double buffer on stage 1, stage 2, both, and both at BM 128 (at most 2
+    waves per EU: its carried registers need them); a tile the schedule refuses is left out."""
+    if tier < LARGE_BATCH:
+        return []
+
+    schedule = next(k for k in KLoop if k.double_buffered)
+
+    def db(tile):
+        return replace(tile, schedule=schedule, waves_per_eu=min(tile.waves_per_eu or 2, 2), k_waves=1)
+    out = []
+    for bm, s1, s2 in ((base.BM, db(base.stage1), base.stage2), (base.BM, base.stage1, db(base.stage2)),
+                       (base.BM, db(base.stage1), db(base.stage2)), (128, db(base.stage1), db(base.stage2))):
+        try:
+            out.append(Tier(tier, bm, s1, s2, reduce=base.reduce))
         except ValueError:
             continue
     return out
@@ -81,11 +116,16 @@ class FlyDSLTarget:
         base = tiles.tier_for(self.arch, tier, tiles.default_table())
         r = base.reduce
         first = [Tier(tier, base.BM, base.stage1, base.stage2, reduce=r)]
+        large = large_batch_tiles(self.arch, tier) + double_buffered(tier, base)
         first += [Tier(tier, bm, base.stage1, base.stage2, reduce=r) for bm in BMS if bm != base.BM]
         first += [Tier(tier, base.BM, s1, base.stage2, reduce=r) for s1 in _around(base.stage1, STAGE1)]
         first += [Tier(tier, base.BM, base.stage1, s2, reduce=r) for s2 in _around(base.stage2, STAGE2)]
         cands = [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} s1 {_tag(t.stage1)} s2 {_tag(t.stage2)}")
-                 for t in first]
+                 for t in first[:1]]
+        cands += [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} large-batch s1 {_tag(t.stage1)} "
+                          f"{t.stage1.schedule.value} s2 {_tag(t.stage2)} {t.stage2.schedule.value}") for t in large]
+        cands += [Candidate(tier, _key(t), t, f"T{tier} BM{t.BM} s1 {_tag(t.stage1)} s2 {_tag(t.stage2)}")
+                  for t in first[1:]]
         cands = list({c.key: c for c in cands}.values())[:self.max_per_round or None]
         timed = sorted((done[c.key]["us"], i) for i, c in enumerate(cands)
                        if done.get(c.key, {}).get("status") == TIMED)
