@@ -250,6 +250,21 @@ def _gate_up_pair(main, tail, gate, up, hidden: tl.constexpr, cfg):
     return acc_g, acc_u, acc_gt, acc_ut
 
 
+
+@triton.jit
+def inter_destination(offs_n, OUT_ORDER: tl.constexpr, SWAP_OUT: tl.constexpr):
+    """Where stage 1's columns offs_n go in the order stage 2 reads (pairs swapped in registers: as they are)."""
+    if OUT_ORDER == ORDER_PAIRS:
+        if SWAP_OUT:
+            dest = offs_n
+        else:
+            dest = pair_order(offs_n)
+    elif OUT_ORDER == ORDER_INTERLEAVE:
+        dest = offs_n
+    else:
+        dest = word_position(offs_n, OUT_ORDER)
+    return dest
+
 @triton.jit
 def _store_inter(acc_g, acc_u, tile, beta, linear_beta, ACT: tl.constexpr, inter_ptr, stride_im, offs_n, dest,
                  inter_size, SWAP_OUT: tl.constexpr):
@@ -329,15 +344,7 @@ def stage1_aligned_kernel(
         acc_g, acc_u, acc_gt, acc_ut = _gate_up_pair(main, tail, gate, up, hidden, cfg)
     # pair order swapped in registers needs whole 32-groups in the tile; a 16-wide one scatters
     SWAP_OUT: tl.constexpr = OUT_ORDER == ORDER_PAIRS and BLOCK_N % 32 == 0
-    if OUT_ORDER == ORDER_PAIRS:
-        if SWAP_OUT:
-            dest = offs_n
-        else:
-            dest = pair_order(offs_n)
-    elif OUT_ORDER == ORDER_INTERLEAVE:
-        dest = offs_n
-    else:
-        dest = word_position(offs_n, OUT_ORDER)
+    dest = inter_destination(offs_n, OUT_ORDER, SWAP_OUT)
     _store_inter(acc_g, acc_u, main, beta, linear_beta, ACT, inter_ptr, stride_im, offs_n, dest, inter_size, SWAP_OUT)
     if TAIL_M > 0:
         _store_inter(acc_gt, acc_ut, tail, beta, linear_beta, ACT, inter_ptr, stride_im, offs_n, dest, inter_size,

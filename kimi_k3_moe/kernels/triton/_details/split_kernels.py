@@ -20,21 +20,17 @@ import triton.language as tl
 from kimi_k3_moe.kernels.common._details.expert_ids import local_expert
 from kimi_k3_moe.kernels.common._details.numerics import cast_to, dot_operand
 from kimi_k3_moe.kernels.common._details.pdl import let_next_start, wait_for_previous
-from kimi_k3_moe.kernels.triton._details import constants as C
 from kimi_k3_moe.kernels.triton._details.activation import apply_activation
 from kimi_k3_moe.kernels.triton._details.decode import (
     WEIGHT_DECODE,
     WEIGHT_FMT,
     WEIGHT_OFFSETS,
     load_weight_pairs,
-    pair_order,
     to_pair_order,
 )
 from kimi_k3_moe.kernels.triton._details.groups import WeightCode, WeightTile
-from kimi_k3_moe.kernels.triton._details.permute_kernels import word_position
+from kimi_k3_moe.kernels.triton._details.matmul_kernels import inter_destination
 
-ORDER_PAIRS = tl.constexpr(C.ORDER_PAIRS)
-ORDER_INTERLEAVE = tl.constexpr(C.ORDER_INTERLEAVE)
 MMA_N = tl.constexpr(16)  # the MMA's least N: the pair's token and 15 zero columns
 
 
@@ -71,7 +67,7 @@ def stage1_split_kernel(
     """inter[pair, n] = act(gate . x, up . x) for one (token, slot) pair and BLOCK_N columns, its K in
     K_SPLIT parts (grid: pairs x N tiles x K_SPLIT). part_ptr: fp32 [pairs x N tiles, K_SPLIT, 2 BLOCK_N];
     ticket_ptr: int32 counters, one per (pair, N tile), zero on entry and on exit. OUT_ORDER: inter as
-    stage 2 reads it (korder.stage1_args: ORDER_PAIRS, ORDER_INTERLEAVE plain, else word order of
+    stage 2 reads it (korder.stage1_args: pairs, interleaved, else the word order of
     OUT_ORDER-wide tiles). WEIGHTS: _details/constants.py. PDL: common/_details/pdl.py."""
     let_next_start(PDL)
     wait_for_previous(PDL)
@@ -107,11 +103,6 @@ def stage1_split_kernel(
     gate, up = tl.split(tl.permute(tl.reshape(sums, (2, BLOCK_N)), (1, 0)))
     h = apply_activation(gate, up, beta, linear_beta, ACT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if OUT_ORDER == ORDER_PAIRS:
-        dest = pair_order(offs_n)
-    elif OUT_ORDER == ORDER_INTERLEAVE:
-        dest = offs_n
-    else:
-        dest = word_position(offs_n, OUT_ORDER)
+    dest = inter_destination(offs_n, OUT_ORDER, False)
     tl.store(inter_ptr + pair.to(tl.int64) * stride_im + dest, cast_to(h, inter_ptr.dtype.element_ty),
              mask=offs_n < inter_size)
