@@ -20,7 +20,7 @@ from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton.backend import TritonBackend
 from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
-from kimi_k3_moe.reference import dense_moe, relative_l2
+from kimi_k3_moe.reference import relative_l2
 from kimi_k3_moe.weights.requant import requantize_experts
 
 SILU = ActivationSpec.silu()
@@ -67,17 +67,6 @@ PATHS = {"gemv": GEMV, "direct": DIRECT, "direct-interleave": DIRECT_INTERLEAVE,
          "aligned-s2-tiles-plain-inter": ALIGNED_S2_TILES_PLAIN}
 
 
-def reference(backend, prepared, hidden, weights, ids, act, emap=None):
-    cache = {}
-
-    def w(e, which):
-        if e not in cache:
-            cache[e] = backend.dequantize_prepared(prepared, e)
-        return cache[e][which].double()
-    return dense_moe(hidden.double(), lambda e: w(e, 0), lambda e: w(e, 1), weights, ids, act, emap,
-                     compute_dtype=torch.float64)
-
-
 run = P.run
 
 
@@ -86,7 +75,7 @@ def assert_follows_the_activation(backend, prepared, hidden, weights, ids, what)
     outs = {}
     for act in (SITU, SILU):
         outs[act.name] = run(backend, prepared, hidden, weights, ids, act)
-        err = relative_l2(outs[act.name], reference(backend, prepared, hidden, weights, ids, act))
+        err = relative_l2(outs[act.name], P.reference(backend, prepared, hidden, weights, ids, act))
         assert err < TOL, f"{what} {act}: relative L2 {err:.3g}"
     assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
 
@@ -122,7 +111,7 @@ def test_stage2_word_dots(n_tiles, gen):
     hidden = P.hidden(gen, 3)
     weights, ids = P.routing(gen, 3)
     out = run(backend, prepared, hidden, weights, ids, SITU)
-    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
+    assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
 
 
 def test_betas_are_honoured(problem):
@@ -135,7 +124,7 @@ def test_betas_are_honoured(problem):
     for act in (SITU, ActivationSpec.situv2(2.0, 1.5),
                 ActivationSpec.situv2(4.0, None)):
         out = run(backend, prepared, hidden, weights, ids, act)
-        assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, act)) < TOL, act
+        assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, act)) < TOL, act
         outs.append(out)
     assert relative_l2(outs[0], outs[1].float()) > 0.05
     assert relative_l2(outs[0], outs[2].float()) > 1e-3
@@ -153,7 +142,7 @@ def test_expert_map_skips_experts_of_other_ranks(path, problem):
     hidden = P.hidden(gen, 5)
     weights, ids = P.routing(gen, 5, e=9)
     out = run(backend, prepared, hidden, weights, ids, SITU, emap)
-    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
+    assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
 
 
 @pytest.mark.parametrize("path", ["aligned", "aligned-pairs"])
@@ -168,7 +157,7 @@ def test_int4_offsets_and_preconverted_experts(path, problem):
     hidden = P.hidden(gen, 4)
     weights, ids = P.routing(gen, 4)
     out = run(backend, prepared, hidden, weights, ids, SITU)
-    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
+    assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
     symmetric = get_backend("triton", weight_format="int4", config=ALIGNED)
     plain = run(symmetric, symmetric.prepare(conv), hidden, weights, ids, SITU)
     assert relative_l2(out, plain.float()) > 1e-3  # the offsets were applied
@@ -206,7 +195,7 @@ def test_default_config_lookup_runs(problem):
     hidden = P.hidden(gen, 2)
     weights, ids = P.routing(gen, 2)
     out = run(backend, prepared, hidden, weights, ids, SITU)
-    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
+    assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
 
 
 def test_bad_inputs_are_named(problem):
@@ -266,7 +255,7 @@ def test_gemv_stage2_with_an_expert_map_takes_long_k_steps_and_skips_other_ranks
     for act in (SITU, ActivationSpec.silu()):
         out = P.run(backend, prepared, hidden, weights, ids, act, emap)
         assert torch.all(out[0] == 0)
-        assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, act, emap)) < TOL, act
+        assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, act, emap)) < TOL, act
 
 
 # row blocks of a main and a tail tile (block_m 48 = 32 + 16): the tail is a second dot on the same
@@ -325,7 +314,7 @@ def test_tail_tile_under_an_expert_map(order, problem):
     hidden = P.hidden(gen, 64)
     weights, ids = skewed_routing(gen)
     out = run(backend, prepared, hidden, weights, ids, SITU, emap)
-    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
+    assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
 
 
 @pytest.mark.parametrize("emapped", [False, True], ids=["all-local", "expert-map"])
@@ -349,5 +338,5 @@ def test_gemv_steps_in_flight_change_no_bit(gen, emapped):
         prepared = backend.prepare(ex)
         outs.append(P.run(backend, prepared, hidden, weights, ids, SITU, emap))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    ref = reference(backend, prepared, hidden.to(torch.bfloat16), weights, ids, SITU, emap)
+    ref = P.reference(backend, prepared, hidden.to(torch.bfloat16), weights, ids, SITU, emap)
     assert relative_l2(outs[0].float(), ref) < TOL

@@ -14,7 +14,7 @@ from kimi_k3_moe.formats import int4
 from kimi_k3_moe.kernels import get_backend
 from kimi_k3_moe.kernels.triton import tickets
 from kimi_k3_moe.kernels.triton.table import KernelConfig, KOrder, MoEConfig
-from kimi_k3_moe.reference import dense_moe, relative_l2
+from kimi_k3_moe.reference import relative_l2
 from kimi_k3_moe.weights.requant import requantize_experts
 
 SILU = ActivationSpec.silu()
@@ -28,17 +28,6 @@ DIRECT_PLAIN = replace(DIRECT_PAIRS, stage2=KernelConfig(32, 32, 4, 2, order=KOr
 CONFIGS = {"split-k1": replace(SPLIT, stage1=replace(SPLIT.stage1, k_split=1)), "split-k2": SPLIT,
            "split-k4-n32": replace(SPLIT, stage1=replace(SPLIT.stage1, block_n=32, k_split=4)),
            "direct-pairs-k4": DIRECT_PAIRS, "direct-plain-inter-k4": DIRECT_PLAIN}
-
-
-def reference(backend, prepared, hidden, weights, ids, act, emap=None):
-    dq = {}
-
-    def w(e, which):
-        if e not in dq:
-            dq[e] = backend.dequantize_prepared(prepared, e)
-        return dq[e][which].double()
-    return dense_moe(hidden.double(), lambda e: w(e, 0), lambda e: w(e, 1), weights, ids, act, emap,
-                     compute_dtype=torch.float64)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +53,7 @@ def test_split_stage1_matches_the_reference_and_the_activation(weight_format, na
     outs = {}
     for act in (SITU, SILU):
         outs[act.name] = P.run(backend, prepared, hidden, weights, ids, act)
-        err = relative_l2(outs[act.name], reference(backend, prepared, hidden, weights, ids, act))
+        err = relative_l2(outs[act.name], P.reference(backend, prepared, hidden, weights, ids, act))
         assert err < TOL, f"{weight_format} {name} {act}: relative L2 {err:.3g}"
         assert _tickets_clear()
     assert relative_l2(outs["silu"], outs["situv2"].float()) > 0.05
@@ -83,7 +72,7 @@ def test_split_stage1_with_an_expert_map(name, problem):
     weights, ids = P.routing(gen, 4, e=9)
     ids[0] = torch.tensor([0, 1, 4], dtype=ids.dtype)  # no slot of token 0 is local
     out = P.run(backend, prepared, hidden, weights, ids, SITU, emap)
-    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
+    assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, SITU, emap)) < TOL
     assert not out[0].any() and _tickets_clear()
 
 
@@ -97,7 +86,7 @@ def test_split_stage1_with_int4_offsets(problem):
     hidden = P.hidden(gen, 2)
     weights, ids = P.routing(gen, 2)
     out = P.run(backend, prepared, hidden, weights, ids, SITU)
-    assert relative_l2(out, reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
+    assert relative_l2(out, P.reference(backend, prepared, hidden, weights, ids, SITU)) < TOL
 
 
 def test_k_split_is_checked_and_kept_out_of_other_configs_json():

@@ -6,6 +6,7 @@ from moe_helpers import random_experts, random_routing
 
 from kimi_k3_moe.experts import Mxfp4Experts
 from kimi_k3_moe.kernels.triton.table import KernelConfig, MoEConfig
+from kimi_k3_moe.reference import dense_moe
 
 E, H, I, TOPK = 6, 128, 64, 3
 
@@ -35,3 +36,15 @@ def run(backend, prepared, hidden, weights, ids, act, emap=None):
     backend.forward(prepared, hidden, weights, ids, act, emap, out=out)
     assert torch.isfinite(out).all()
     return out
+
+
+def reference(backend, prepared, hidden, weights, ids, act, emap=None):
+    """The float64 MoE on the weights the prepared form encodes (each expert dequantized once)."""
+    cache = {}
+
+    def w(e, which):
+        if e not in cache:
+            cache[e] = backend.dequantize_prepared(prepared, e)
+        return cache[e][which].double()
+    return dense_moe(hidden.double(), lambda e: w(e, 0), lambda e: w(e, 1), weights, ids, act, emap,
+                     compute_dtype=torch.float64)
