@@ -6,6 +6,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PIP_FLAGS ?= -q --disable-pip-version-check
 PYTEST ?= $(VENV)/bin/python -m pytest
+# pytest-xdist workers for the CPU-bound suites (interpreter, emulation, core); CI has 2 cores
+WORKERS ?= 2
 # DROP_VENVS=1 (.ci/run sets it) removes an engine's venv once its suite has passed, so a
 # run's disk peaks near the largest venv (SGLang, 11 GB) instead of the sum of them (28 GB)
 DROP_VENVS ?= 0
@@ -33,7 +35,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 test-core: venv
-	$(PYTEST) tests/core
+	$(PYTEST) -n $(WORKERS) tests/core
 
 # GSM8K job against a localhost server the tests start (standard library client)
 test-gsm8k: venv
@@ -136,9 +138,10 @@ $(FLYDSL_VENV)/.installed: pyproject.toml
 $(FLYDSL_ROCM)/llvm/bin/ld.lld: $(FLYDSL_VENV)/.installed
 	$(FLYDSL_VENV)/bin/python -m kimi_k3_moe.kernels.flydsl.toolchain --shim $(FLYDSL_ROCM)
 
+# --dist loadfile: a file's tests on one worker, so test_compile's one build of every kernel runs once
 test-flydsl: $(FLYDSL_VENV)/.installed $(FLYDSL_ROCM)/llvm/bin/ld.lld
 	KIMI_K3_MOE_FLYDSL_ROCM="$(abspath $(FLYDSL_ROCM))" KIMI_K3_MOE_REQUIRE_FLYDSL=1 \
-	KIMI_K3_MOE_FLYDSL_OUT="$(FLYDSL_OUT)" $(FLYDSL_VENV)/bin/python -m pytest tests/flydsl
+	KIMI_K3_MOE_FLYDSL_OUT="$(FLYDSL_OUT)" $(FLYDSL_VENV)/bin/python -m pytest -n $(WORKERS) --dist loadfile tests/flydsl
 	$(FLYDSL_VENV)/bin/python benchmarks/flydsl_resources.py --summary $(FLYDSL_OUT)/summary.json \
 		--write $(FLYDSL_OUT)/PERF_section.md
 
@@ -175,7 +178,7 @@ test-vllm: venv-vllm
 # of every table specialisation for sm_90, gfx942 and gfx950 (separate processes:
 # the interpreter must be off for the compiles).
 test-triton: venv
-	TRITON_INTERPRET=1 $(PYTEST) tests/triton
+	TRITON_INTERPRET=1 $(PYTEST) -n $(WORKERS) tests/triton
 
 # Under the venv's Triton, then for sm_90 under each Triton a shipped entry must run with, put
 # first on the path over the same torch: each H200 table section's own (its tuned_with.triton), so its

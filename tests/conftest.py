@@ -9,6 +9,8 @@ import pytest
 import torch
 
 _BASE_SEED = int(os.environ.get("KIMI_K3_MOE_TEST_SEED") or random.SystemRandom().randrange(2**31))
+# pytest-xdist's workers start from this environment: one base seed for the whole run
+os.environ["KIMI_K3_MOE_TEST_SEED"] = str(_BASE_SEED)
 
 
 def pytest_report_header(config):
