@@ -4,8 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-# --no-compile: no byte-compiling of whole engines at install; Python compiles what a suite imports
-PIP_FLAGS ?= -q --disable-pip-version-check --no-compile
+PIP_FLAGS ?= -q --disable-pip-version-check
 PYTEST ?= $(VENV)/bin/python -m pytest
 # pytest-xdist workers for the CPU-bound suites (interpreter, emulation, core); CI has 2 cores
 WORKERS ?= 2
