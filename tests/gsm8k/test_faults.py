@@ -117,10 +117,11 @@ def test_a_signal_writes_the_report_and_resume_finishes(world, signum, status):
     world.server.faults = {q: ["stall"] for q in stalled}
     world.server.stall_s = 60
     cmd = [sys.executable, "-m", "kimi_k3_moe", *world.args("--timeout", "60", "--concurrency", "2")]
-    # SIGINT as at a terminal even when the suite itself runs as a background job (where the
-    # shell hands every child SIGINT ignored, and Python then installs no KeyboardInterrupt)
+    # SIGINT and the signal under test at their defaults, as at a terminal, even when the suite runs as
+    # a background job (the shell hands every child SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt) or under nohup (SIGHUP ignored, which the job rightly leaves so)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signum)])
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # 6 answered, 2 stalled in flight; no wait for a periodic save
