@@ -2,8 +2,8 @@
 
 The ceilings (device copy bandwidth, bf16 matmul rate) are measured in the same
 run as the kernels they judge. `FakeClock` stands in for the GPU timer where no
-GPU exists (CPU tests, emulators): it runs the callable once and reports a time
-given by the caller, so the tune/bench loops run end to end without a device.
+GPU exists (CPU tests, emulators): it reports a time given by the caller without
+running the callable again, so the tune/bench loops run end to end without a device.
 """
 from __future__ import annotations
 
