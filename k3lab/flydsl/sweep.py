@@ -40,9 +40,11 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[FlyKernelConfig | QuantConfig]:
         for tier in tiles.default_table()[arch]:   # every aligned tier's stage 2 with reduce "fused"
             extras.append(tiles.stage_configs(arch, weight_format, num_tokens=tier.max_tokens or 1 << 20,
                                               activation=K3_SITU, reduce="fused", **shape)[1])
-        # the LDS double buffer on the largest tier's tiles, which no tier takes yet (docs/FLYDSL.md)
+        # the LDS double buffer on the largest tier's tiles, which no tier takes yet (docs/FLYDSL.md); int4 at
+        # n_rep 2: at that tier's n_rep 3 / 4 the carried weights take 418 / 278 VGPRs, one wave per SIMD
         last = tiles.stage_configs(arch, weight_format, num_tokens=1 << 20, activation=K3_SITU, **shape)
-        extras += [c.with_tile(schedule=KLoop.LDS_DB, waves_per_eu=2) for c in last]
+        extras += [c.with_tile(schedule=KLoop.LDS_DB, waves_per_eu=2,
+                               n_rep=2 if weight_format == INT4 else c.tile.n_rep) for c in last]
         if weight_format == INT4:   # asymmetric int4: every tier's kernels (registers and decode checked)
             extras += tiles.sweep_configs(arch, weight_format, activations=[K3_SITU], has_offsets=True,
                                           num_experts=K3_EXPERTS, **shape)
