@@ -37,9 +37,10 @@ def ci_configs(archs=FLYDSL_ARCHS) -> list[FlyKernelConfig | QuantConfig]:
             s1.with_activation(OTHER_SITU),
             s2.with_tile(k_waves=1).with_reduction("atomic", split_k=3),
         ]
-        for tier in tiles.default_table()[arch]:   # every aligned tier's stage 2 with reduce "fused"
-            extras.append(tiles.stage_configs(arch, weight_format, num_tokens=tier.max_tokens or 1 << 20,
-                                              activation=K3_SITU, reduce="fused", **shape)[1])
+        for tier in tiles.default_table()[arch]:   # every aligned tier's stage 2 with either deterministic sum
+            for reduce in ("slots", "fused"):
+                extras.append(tiles.stage_configs(arch, weight_format, num_tokens=tier.max_tokens or 1 << 20,
+                                                  activation=K3_SITU, reduce=reduce, **shape)[1])
         # the LDS double buffer on the largest tier's tiles, which no tier takes yet (docs/FLYDSL.md); int4 at
         # n_rep 2: at that tier's n_rep 3 / 4 the carried weights take 418 / 278 VGPRs, one wave per SIMD
         last = tiles.stage_configs(arch, weight_format, num_tokens=1 << 20, activation=K3_SITU, **shape)

@@ -75,11 +75,13 @@ def test_floors():
 def test_glue_launches_are_traced_without_memory(arch):
     """The forward's launches besides the two stages, recorded on meta tensors (16384 tokens costs
     nothing): the top-k sum alone on a direct tier, the alignment's one or two launches before it
-    above, and never a PyTorch op that computes."""
-    tiers = {t: [name for name, _ in fm.glue_ops(arch, t)] for t in (1, 16, 4096)}
-    assert tiers[1] == ["stage2.reduce"]
-    assert tiers[16] == ["align.small", "stage2.reduce"]
-    assert tiers[4096] == ["align.count", "align.scatter", "stage2.reduce"]
+    above (none after stage 2 with the fused sum), and never a PyTorch op that computes."""
+    def names(tokens, reduce):
+        return [name for name, _ in fm.glue_ops(arch, tokens, reduce)]
+    assert names(1, "auto") == ["stage2.reduce"]
+    assert names(16, "auto") == ["align.small", "stage2.reduce"]
+    assert names(4096, "slots") == ["align.count", "align.scatter", "stage2.reduce"]
+    assert names(4096, "fused") == ["align.count", "align.scatter"]
     # the top-k sum reads T x k x H bf16 slot rows and writes T x H
     big = dict(fm.glue_ops(arch, 16384, "slots"))
     assert big["stage2.reduce"] >= 16384 * fm.TOP_K * fm.H * 2 + 16384 * fm.H * 2
